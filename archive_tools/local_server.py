@@ -1,0 +1,212 @@
+"""A local TorchServe for the demo, the tests and benchmarks: our config, free loopback ports.
+
+    with LocalTorchServe(model_store=Path("model_store")) as server:
+        server.register("tiny.mar", batch_size=32, max_batch_delay=5)
+        server.predict("tiny", body)          # -> requests.Response
+
+The server runs in its own process group (Java frontend + Python workers) inside a private working
+directory, where TorchServe writes ``key_file.json`` and its logs. It is always stopped by pid on exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "config" / "config.properties"
+
+_PORT_KEYS = {
+    "inference_address": "http://127.0.0.1:{}",
+    "management_address": "http://127.0.0.1:{}",
+    "metrics_address": "http://127.0.0.1:{}",
+    "grpc_inference_port": "{}",
+    "grpc_management_port": "{}",
+}
+
+
+class ServerDied(RuntimeError):
+    """TorchServe exited while starting or serving; the message holds the end of its log."""
+
+
+class LocalTorchServe:
+    def __init__(
+        self,
+        model_store: Path,
+        config: Path = DEFAULT_CONFIG,
+        startup_timeout_s: float = 120.0,
+        keep_logs: Path | None = None,
+    ) -> None:
+        self.model_store = Path(model_store).resolve()
+        self.base_config = config
+        self.startup_timeout_s = startup_timeout_s
+        self.keep_logs = keep_logs
+        self.ports = {key: _free_port() for key in _PORT_KEYS}
+        self.workdir = Path(tempfile.mkdtemp(prefix="torchserve-"))
+        self.process: subprocess.Popen | None = None
+        self._keys: dict[str, str] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def __enter__(self) -> "LocalTorchServe":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        config_path = self.workdir / "config.properties"
+        config_path.write_text(self._config_text())
+        (self.workdir / "tmp").mkdir()
+        env = dict(os.environ)
+        env["TMPDIR"] = str(self.workdir / "tmp")  # the launcher's pid file lives there
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env["LOG_LOCATION"] = str(self.workdir / "logs")
+        env["METRICS_LOCATION"] = str(self.workdir / "logs")
+        self._log = open(self.workdir / "torchserve.out", "wb")
+        self.process = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "torchserve"),
+                "--start",
+                "--foreground",
+                "--ncs",
+                "--ts-config", str(config_path),
+                "--model-store", str(self.model_store),
+            ],
+            cwd=self.workdir,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            self._keys = self._read_keys()  # with tokens on, even /ping needs the inference key
+            try:
+                ping = requests.get(f"{self.inference_url}/ping", headers=self.auth("inference"), timeout=2)
+                if ping.status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        tail = self.log_tail()
+        self.stop()
+        raise ServerDied(f"TorchServe not healthy after {self.startup_timeout_s}s:\n{tail}")
+
+    def stop(self) -> None:
+        """Terminates the server's process group (launcher, Java frontend, workers) by its pid."""
+        if self.process is not None and self.process.poll() is None:
+            pgid = self.process.pid  # start_new_session: the group id is the launcher's pid
+            for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.process.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            # Workers may outlive the launcher for a moment; the group is gone once killpg fails.
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+        if self.keep_logs is not None and self.workdir.exists():
+            shutil.copytree(self.workdir, self.keep_logs, dirs_exist_ok=True)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def check_alive(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            raise ServerDied(f"TorchServe exited:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        logs = [self.workdir / "torchserve.out", self.workdir / "logs" / "model_log.log"]
+        text = []
+        for path in logs:
+            if path.exists():
+                text.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
+        return "\n".join(text)
+
+    # -- endpoints -----------------------------------------------------------------------------
+
+    @property
+    def inference_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['inference_address']}"
+
+    @property
+    def management_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['management_address']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['metrics_address']}"
+
+    def auth(self, api: str) -> dict[str, str]:
+        """The Authorization header for ``api`` ("inference" or "management"), if tokens are on."""
+        key = self._keys.get(api)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def register(self, url: str, *, timeout_s: float = 300.0, **params: Any) -> requests.Response:
+        """POST /models?url=...&synchronous=true; ``params`` are batch_size, initial_workers, ..."""
+        query = {"url": url, "synchronous": "true", "initial_workers": 1, **params}
+        return requests.post(
+            f"{self.management_url}/models",
+            params=query,
+            headers=self.auth("management"),
+            timeout=timeout_s,
+        )
+
+    def management(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+        return requests.request(
+            method, f"{self.management_url}{path}", headers=self.auth("management"), timeout=300, **kwargs
+        )
+
+    def predict(
+        self, model: str, body: bytes | str | dict, version: str | None = None, timeout_s: float = 60
+    ) -> requests.Response:
+        path = f"/predictions/{model}" + (f"/{version}" if version else "")
+        data = json.dumps(body) if isinstance(body, dict) else body
+        headers = {"Content-Type": "application/json", **self.auth("inference")}
+        return requests.post(f"{self.inference_url}{path}", data=data, headers=headers, timeout=timeout_s)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _config_text(self) -> str:
+        text = self.base_config.read_text()
+        for key, template in _PORT_KEYS.items():
+            text, count = re.subn(
+                rf"^{key}=.*$", f"{key}={template.format(self.ports[key])}", text, flags=re.M
+            )
+            if count != 1:
+                raise ValueError(f"{self.base_config}: expected one '{key}=' line, found {count}")
+        return re.sub(r"^model_store=.*$", f"model_store={self.model_store}", text, flags=re.M)
+
+    def _read_keys(self) -> dict[str, str]:
+        key_file = self.workdir / "key_file.json"
+        if not key_file.exists():
+            return {}  # token authorization is off
+        keys = json.loads(key_file.read_text())
+        return {api: keys[api]["key"] for api in ("inference", "management") if api in keys}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

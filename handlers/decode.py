@@ -1,0 +1,283 @@
+"""The wire format, decoded in one place: JSON bytes -> ``DecodedRequest`` (typed tensors).
+
+Two request forms are accepted (the README documents both)::
+
+    {"items": [{"dense": [13 floats], "sparse": {"cat_0": [ids...], ...}}, ...],
+     "return_logits": false}
+
+    {"float_features": [[13 floats], ...],                 # TorchRec / TorchServe DLRM example form
+     "id_list_features.lengths": [F*B ints, feature-major],
+     "id_list_features.values": [ids...]}
+
+Anything else is a ``BadRequest`` naming the field, e.g. ``items[2].sparse.cat_4[1]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+
+from handlers.batching import JaggedIds, RequestInputs
+from handlers.errors import BadRequest
+from handlers.spec import ModelSpec, OutOfRangePolicy
+
+DENSE_INPUT = "dense_features"
+SPARSE_INPUT = "sparse_features"
+
+_ITEMS_KEYS = {"items", "return_logits"}
+_COLUMNAR_KEYS = {
+    "float_features",
+    "id_list_features.lengths",
+    "id_list_features.values",
+    "return_logits",
+}
+_ITEM_KEYS = {"dense", "sparse"}
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_EMPTY_BAG: list = []  # a feature left out of an item; only ever read
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodedRequest:
+    inputs: RequestInputs
+    return_logits: bool
+
+
+class RequestDecoder:
+    """Decodes and validates requests for one DLRM spec."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self._features = spec.feature_names
+        self._feature_set = frozenset(self._features)
+        self._feature_rows = np.asarray(spec.feature_rows, dtype=np.int64)
+
+    def decode(self, payload: bytes | bytearray | str | dict | list | None) -> DecodedRequest:
+        body = _parse_json(payload)
+        if not isinstance(body, dict):
+            raise BadRequest("body", f"must be a JSON object, got {_json_type(body)}")
+        return_logits = body.get("return_logits", False)
+        if not isinstance(return_logits, bool):
+            raise BadRequest("return_logits", f"must be true or false, got {return_logits!r}")
+        if "items" in body:
+            _reject_unknown(body, _ITEMS_KEYS, "")
+            inputs = self._decode_items(body["items"])
+        elif "float_features" in body:
+            _reject_unknown(body, _COLUMNAR_KEYS, "")
+            inputs = self._decode_columnar(body)
+        else:
+            raise BadRequest(
+                "items", "required (or the columnar form with float_features and id_list_features)"
+            )
+        return DecodedRequest(inputs=inputs, return_logits=return_logits)
+
+    # -- the items form ------------------------------------------------------------------------
+
+    def _decode_items(self, items: Any) -> RequestInputs:
+        if not isinstance(items, list) or not items:
+            raise BadRequest("items", "must be a non-empty list of items")
+        self._check_item_count("items", len(items))
+        dense_rows: list[Any] = []
+        bags: list[list[Any]] = [[] for _ in self._features]
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise BadRequest(f"items[{i}]", f"must be an object, got {_json_type(item)}")
+            _reject_unknown(item, _ITEM_KEYS, f"items[{i}].")
+            if "dense" not in item:
+                raise BadRequest(f"items[{i}].dense", "required")
+            dense_rows.append(item["dense"])
+            sparse = item.get("sparse", {})
+            if not isinstance(sparse, dict):
+                raise BadRequest(f"items[{i}].sparse", f"must be an object, got {_json_type(sparse)}")
+            unknown = sparse.keys() - self._feature_set
+            if unknown:
+                name = sorted(unknown)[0]
+                raise BadRequest(f"items[{i}].sparse.{name}", "unknown feature")
+            for f, feature in enumerate(self._features):
+                bag = sparse.get(feature, _EMPTY_BAG)
+                if not isinstance(bag, list):
+                    raise BadRequest(
+                        f"items[{i}].sparse.{feature}", f"must be a list of ids, got {_json_type(bag)}"
+                    )
+                bags[f].append(bag)
+        dense = self._dense_tensor(dense_rows, lambda i: f"items[{i}].dense")
+        lengths = np.array([[len(b) for b in feature_bags] for feature_bags in bags], dtype=np.int64)
+        values = [v for feature_bags in bags for bag in feature_bags for v in bag]
+        ids = self._ids(
+            values,
+            lengths,
+            lambda f, i, j: f"items[{i}].sparse.{self._features[f]}"
+            + ("" if j is None else f"[{j}]"),
+        )
+        return _request_inputs(dense, lengths, ids)
+
+    # -- the columnar (TorchRec) form ----------------------------------------------------------
+
+    def _decode_columnar(self, body: dict) -> RequestInputs:
+        rows = body["float_features"]
+        if not isinstance(rows, list) or not rows:
+            raise BadRequest("float_features", "must be a non-empty list of rows")
+        self._check_item_count("float_features", len(rows))
+        dense = self._dense_tensor(rows, lambda i: f"float_features[{i}]")
+        num_items, num_features = len(rows), len(self._features)
+        raw_lengths = body.get("id_list_features.lengths")
+        raw_values = body.get("id_list_features.values")
+        for name, value in (
+            ("id_list_features.lengths", raw_lengths),
+            ("id_list_features.values", raw_values),
+        ):
+            if not isinstance(value, list):
+                raise BadRequest(name, f"required list, got {_json_type(value)}")
+        if len(raw_lengths) != num_features * num_items:
+            raise BadRequest(
+                "id_list_features.lengths",
+                f"must hold {num_features} features x {num_items} items = "
+                f"{num_features * num_items} lengths (feature-major), got {len(raw_lengths)}",
+            )
+        lengths = _int_array(raw_lengths, lambda j: f"id_list_features.lengths[{j}]")
+        if (lengths < 0).any():
+            j = int(np.argmax(lengths < 0))
+            raise BadRequest(f"id_list_features.lengths[{j}]", "must be >= 0")
+        lengths = lengths.reshape(num_features, num_items)
+        if int(lengths.sum()) != len(raw_values):
+            raise BadRequest(
+                "id_list_features.values",
+                f"lengths add up to {int(lengths.sum())} ids, got {len(raw_values)}",
+            )
+        ids = self._ids(
+            raw_values,
+            lengths,
+            lambda f, i, j: f"id_list_features.values (feature {self._features[f]}, item {i}"
+            + ("" if j is None else f", id {j}")
+            + ")",
+        )
+        return _request_inputs(dense, lengths, ids)
+
+    # -- shared checks -------------------------------------------------------------------------
+
+    def _check_item_count(self, field: str, count: int) -> None:
+        cap = self.spec.limits.max_items_per_request
+        if count > cap:
+            raise BadRequest(field, f"{count} items exceed the limit of {cap} per request")
+
+    def _dense_tensor(self, rows: list[Any], field_of: Any) -> torch.Tensor:
+        """[n] rows of ``dense_features`` finite numbers -> float32 [n, D]."""
+        width = self.spec.dense_features
+        for i, row in enumerate(rows):
+            if not isinstance(row, list):
+                raise BadRequest(field_of(i), f"must be a list of {width} numbers, got {_json_type(row)}")
+            if len(row) != width:
+                raise BadRequest(field_of(i), f"must hold {width} numbers, got {len(row)}")
+        flat = [v for row in rows for v in row]
+        if not set(map(type, flat)) <= {int, float}:
+            k = next(k for k, v in enumerate(flat) if type(v) not in (int, float))
+            raise BadRequest(
+                f"{field_of(k // width)}[{k % width}]", f"must be a number, got {flat[k]!r}"
+            )
+        try:
+            dense = np.array(flat, dtype=np.float64).astype(np.float32)
+        except OverflowError:  # an integer beyond float64
+            dense = None
+        if dense is None or not np.isfinite(dense).all():
+            k = next(k for k, v in enumerate(flat) if not _finite_float32(v))
+            raise BadRequest(
+                f"{field_of(k // width)}[{k % width}]", f"must be finite in float32, got {flat[k]!r}"
+            )
+        return torch.from_numpy(dense.reshape(len(rows), width))
+
+    def _ids(self, values: list[Any], lengths: np.ndarray, field_of: Any) -> np.ndarray:
+        """Validates ids against bag caps and table rows; applies the out-of-range policy.
+
+        ``lengths``: [F, n]; ``values``: ids feature-major; ``field_of(f, item, id_index)`` names a spot.
+        """
+        cap = self.spec.limits.max_ids_per_bag
+        if lengths.size and lengths.max() > cap:
+            f, i = np.unravel_index(int(np.argmax(lengths)), lengths.shape)
+            raise BadRequest(
+                field_of(int(f), int(i), None),
+                f"{int(lengths[f, i])} ids exceed the limit of {cap} per bag",
+            )
+
+        def locate(k: int) -> str:
+            offsets = np.cumsum(lengths.reshape(-1))
+            bag = int(np.searchsorted(offsets, k, side="right"))
+            f, i = divmod(bag, lengths.shape[1])
+            start = int(offsets[bag - 1]) if bag else 0
+            return field_of(f, i, k - start)
+
+        ids = _int_array(values, locate)
+        if (ids < 0).any():
+            k = int(np.argmax(ids < 0))
+            raise BadRequest(locate(k), f"ids must be >= 0, got {values[k]}")
+        rows = np.repeat(self._feature_rows, lengths.sum(axis=1))
+        beyond = ids >= rows
+        if beyond.any():
+            if self.spec.out_of_range == OutOfRangePolicy.HASH:
+                ids = np.where(beyond, ids % rows, ids)
+            else:
+                k = int(np.argmax(beyond))
+                raise BadRequest(
+                    locate(k), f"id {values[k]} is outside the table's {int(rows[k])} rows"
+                )
+        return ids
+
+
+def _request_inputs(dense: torch.Tensor, lengths: np.ndarray, ids: np.ndarray) -> RequestInputs:
+    return RequestInputs(
+        num_items=dense.shape[0],
+        tensors={
+            DENSE_INPUT: dense,
+            SPARSE_INPUT: JaggedIds(
+                lengths=torch.from_numpy(lengths), values=torch.from_numpy(ids.astype(np.int64))
+            ),
+        },
+    )
+
+
+def _int_array(values: list[Any], locate: Any) -> np.ndarray:
+    """JSON integers -> int64 array; bools, floats, strings and huge ints are a ``BadRequest``."""
+    if not set(map(type, values)) <= {int}:
+        k = next(k for k, v in enumerate(values) if type(v) is not int)
+        raise BadRequest(locate(k), f"must be an integer id, got {values[k]!r}")
+    try:
+        return np.array(values, dtype=np.int64)
+    except OverflowError:
+        k = next(k for k, v in enumerate(values) if not -(2**63) <= v < 2**63)
+        raise BadRequest(locate(k), f"integer {values[k]} is out of int64 range") from None
+
+
+def _finite_float32(value: int | float) -> bool:
+    return math.isfinite(value) and abs(value) <= _FLOAT32_MAX
+
+
+def _parse_json(payload: Any) -> Any:
+    """Strict JSON: NaN and Infinity are malformed. A payload that TorchServe already decoded
+    (``decode_input_request=true``) may hold them; the finite checks on values catch them."""
+    if isinstance(payload, (bytes, bytearray, memoryview, str)):
+        try:
+            return orjson.loads(payload)
+        except orjson.JSONDecodeError as e:
+            raise BadRequest("body", f"malformed JSON: {e}") from None
+    if payload is None:
+        raise BadRequest("body", "empty request body")
+    return payload
+
+
+def _reject_unknown(obj: dict, allowed: set[str], prefix: str) -> None:
+    unknown = obj.keys() - allowed
+    if unknown:
+        raise BadRequest(f"{prefix}{sorted(unknown)[0]}", "unknown field")
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "NaN" if isinstance(value, float) and math.isnan(value) else "number"
+    return {dict: "object", list: "array", str: "string", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )

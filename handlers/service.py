@@ -1,0 +1,95 @@
+"""The scoring service: a TorchServe batch of K request bodies -> K responses.
+
+``handle`` is decode -> coalesce -> run -> split -> encode; each stage is a function of its own module.
+It knows nothing about TorchServe (``handlers.torchserve_handler`` adapts it), so tests drive it
+in-process with the same bodies the server receives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+import orjson
+import torch
+from torch import nn
+
+from handlers.batching import BatchKind, InputTag, RequestInputs, chunk_by_items, coalesce, split_outputs
+from handlers.decode import DENSE_INPUT, SPARSE_INPUT, DecodedRequest, RequestDecoder
+from handlers.errors import InternalError, ServingError
+from handlers.factory import DLRMFactory, InferenceWeights
+from handlers.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes
+
+
+def dlrm_input_tags(spec: ModelSpec) -> tuple[InputTag, ...]:
+    """DLRM's forward(dense_features [B, D], sparse_features KJT) and how each input batches."""
+    return (
+        InputTag(DENSE_INPUT, BatchKind.ROWS),
+        InputTag(SPARSE_INPUT, BatchKind.JAGGED, keys=spec.feature_names),
+    )
+
+
+class ScoringService:
+    """Scores DLRM requests with one model; one response per request, in order."""
+
+    def __init__(self, spec: ModelSpec, model: nn.Module) -> None:
+        self.spec = spec
+        self.model = model
+        self.decoder = RequestDecoder(spec)
+        self.tags = dlrm_input_tags(spec)
+
+    @classmethod
+    def from_files(cls, spec_path: str | Path, weights_path: str | Path) -> "ScoringService":
+        spec = ModelSpec.from_yaml(spec_path)
+        model = DLRMFactory(spec).inference_model(InferenceWeights.load(weights_path))
+        return cls(spec, model)
+
+    def handle(self, payloads: Sequence[Any]) -> list[Response]:
+        responses: list[Response | None] = [None] * len(payloads)
+        decoded: list[tuple[int, DecodedRequest]] = []
+        for index, payload in enumerate(payloads):
+            try:
+                decoded.append((index, self.decoder.decode(payload)))
+            except ServingError as e:
+                responses[index] = _error_response(e)
+        requests = [d.inputs for _, d in decoded]
+        for chunk in chunk_by_items(requests, self.spec.limits.max_items_per_forward):
+            try:
+                logits = self.logits([requests[i] for i in chunk])
+            except Exception:  # the model failed on validated input: a bug, not the client's
+                logger.exception("forward failed for a chunk of %d requests", len(chunk))
+                for i in chunk:
+                    responses[decoded[i][0]] = _error_response(InternalError("model forward failed"))
+                continue
+            for i, request_logits in zip(chunk, logits):
+                index, request = decoded[i]
+                responses[index] = _scores_response(request_logits, request.return_logits)
+        return responses  # type: ignore[return-value]  # every index was answered above
+
+    def logits(self, requests: Sequence[RequestInputs]) -> list[torch.Tensor]:
+        """One forward over all items of ``requests``; logits [n_k] per request."""
+        batch = coalesce(requests, self.tags)
+        with torch.inference_mode():
+            output = self.model(**batch).reshape(-1)
+        return split_outputs(output, [r.num_items for r in requests])
+
+
+def _scores_response(logits: torch.Tensor, return_logits: bool) -> Response:
+    body: dict[str, list[float]] = {"scores": torch.sigmoid(logits).tolist()}
+    if return_logits:
+        body["logits"] = logits.tolist()
+    return Response(200, orjson.dumps(body))
+
+
+def _error_response(error: ServingError) -> Response:
+    return Response(error.status, orjson.dumps(error.to_body()))

@@ -1,0 +1,51 @@
+"""The TorchServe entry point: a thin adapter from TorchServe's worker API to ``ScoringService``.
+
+TorchServe calls ``initialize(context)`` once per worker and ``handle(data, context)`` per batch of
+requests (``batchSize`` / ``maxBatchDelay``). Model loading is our own (``ScoringService.from_files``:
+spec + memory-mapped weights), not BaseHandler's. This module defines exactly one class, as
+TorchServe's class entry point requires.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from handlers.service import ScoringService
+
+logger = logging.getLogger(__name__)
+
+
+class DLRMHandler:
+    def __init__(self) -> None:
+        self.service: ScoringService | None = None
+
+    def initialize(self, context: Any) -> None:
+        started = time.perf_counter()
+        model_dir = Path(context.system_properties["model_dir"])
+        options = (context.model_yaml_config or {}).get("handler", {})
+        threads = int(options.get("intra_op_threads", 1))
+        torch.set_num_threads(threads)
+        self.service = ScoringService.from_files(
+            model_dir / options.get("spec", "spec.yaml"),
+            model_dir / options.get("weights", "weights.pt"),
+        )
+        logger.info(
+            "loaded model %s (eager quantized TorchRec) in %.2fs, %d intra-op threads",
+            self.service.spec.name,
+            time.perf_counter() - started,
+            threads,
+        )
+
+    def handle(self, data: list[dict[str, Any]], context: Any) -> list[bytes]:
+        assert self.service is not None, "initialize() was not called"
+        payloads = [row.get("body", row.get("data")) for row in data]
+        responses = self.service.handle(payloads)
+        for index, response in enumerate(responses):
+            context.set_response_status(response.status, "", idx=index)
+            context.set_response_content_type(index, "application/json")
+        return [r.body for r in responses]
