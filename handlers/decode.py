@@ -179,7 +179,8 @@ class RequestDecoder:
                 f"{field_of(k // width)}[{k % width}]", f"must be a number, got {flat[k]!r}"
             )
         try:
-            dense = np.array(flat, dtype=np.float64).astype(np.float32)
+            with np.errstate(over="ignore"):  # beyond float32 becomes inf, refused below
+                dense = np.array(flat, dtype=np.float64).astype(np.float32)
         except OverflowError:  # an integer beyond float64
             dense = None
         if dense is None or not np.isfinite(dense).all():

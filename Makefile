@@ -1,0 +1,44 @@
+# Two entry points, each doing all set-up on a fresh machine:
+#   make demo   build the example archive, start TorchServe, register, score the example requests
+#   make test   run the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup java demo test clean
+
+setup: java $(STAMP)
+
+# TorchServe's frontend is Java: 17 or newer. Installed with apt when we are root, else explained.
+java:
+	@v=$$(java -version 2>&1 | awk -F'"' '/version/ {print $$2}' | cut -d. -f1); \
+	if [ -z "$$v" ] || [ "$$v" -lt 17 ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "Java 17+ not found (got '$${v:-none}'): installing openjdk-17-jre-headless"; \
+	    apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless; \
+	  else \
+	    echo "TorchServe needs Java 17 or newer (found: $${v:-none})."; \
+	    echo "Install it, e.g.: sudo apt-get install openjdk-17-jre-headless"; exit 1; \
+	  fi; \
+	fi
+
+# torch is pinned and installed first so nothing resolves a CUDA build; torchrec goes in with
+# --no-deps because its metadata asks for the CUDA fbgemm-gpu (we use fbgemm-gpu-cpu).
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps torchrec==1.8.0
+	$(BIN)/python -c "import torch, torchrec, fbgemm_gpu, ts; print('torch', torch.__version__, 'torchrec', torchrec.__version__)"
+	touch $@
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+test: setup
+	$(BIN)/python -m pytest -v tests
+
+clean:
+	rm -rf $(VENV) model_store/*.mar

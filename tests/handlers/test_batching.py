@@ -1,0 +1,69 @@
+"""The coalescer: many requests in one forward score exactly as each request alone."""
+
+import dataclasses
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from archive_tools.synthetic import items_request
+from handlers.batching import RequestInputs, chunk_by_items
+from handlers.factory import DLRMFactory
+from handlers.service import ScoringService
+from tests.helpers import forward, model_inputs
+
+
+def _request(spec, draw_items, draw_bag, seed):
+    return items_request(spec, draw_items, seed=seed, max_bag=draw_bag)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shapes=st.lists(
+        st.tuples(st.integers(1, 200), st.integers(0, 50), st.integers(0, 10_000)),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_coalesced_scores_equal_one_by_one(tiny_spec, tiny_weights, shapes):
+    model = DLRMFactory(tiny_spec).inference_model(tiny_weights)
+    requests = [_request(tiny_spec, n, bag, seed) for n, bag, seed in shapes]
+    alone = [forward(model, model_inputs(tiny_spec, [r])) for r in requests]
+    together = forward(model, model_inputs(tiny_spec, requests))
+    assert together.shape[0] == sum(n for n, _, _ in shapes)
+    torch.testing.assert_close(together, torch.cat(alone), atol=1e-6, rtol=0)
+
+
+def test_service_answers_in_order_and_isolates_bad_requests(tiny_spec, tiny_weights):
+    service = ScoringService(tiny_spec, DLRMFactory(tiny_spec).inference_model(tiny_weights))
+    good = [items_request(tiny_spec, n, seed=n) for n in (3, 1, 7)]
+    alone = [service.handle([r])[0] for r in good]
+    mixed = service.handle([good[0], {"items": [{"dense": [1]}]}, good[1], b"{", good[2]])
+    assert [r.status for r in mixed] == [200, 400, 200, 400, 200]
+    assert [mixed[i].body for i in (0, 2, 4)] == [a.body for a in alone]
+
+
+def test_chunks_respect_max_items_and_order():
+    requests = [RequestInputs(num_items=n, tensors={}) for n in (3, 4, 2, 5, 1)]
+    assert list(chunk_by_items(requests, 7)) == [[0, 1], [2, 3], [4]]
+    assert list(chunk_by_items(requests, 5)) == [[0], [1], [2], [3], [4]]
+    assert list(chunk_by_items(requests, 100)) == [[0, 1, 2, 3, 4]]
+
+
+def test_service_chunks_forwards_at_max_items(tiny_spec, tiny_weights):
+    limits = dataclasses.replace(tiny_spec.limits, max_items_per_forward=256)
+    spec = dataclasses.replace(tiny_spec, limits=limits)
+    model = DLRMFactory(spec).inference_model(tiny_weights)
+    batch_sizes = []
+    original = model.forward
+
+    def counting_forward(dense_features, sparse_features):
+        batch_sizes.append(dense_features.shape[0])
+        return original(dense_features, sparse_features)
+
+    model.forward = counting_forward
+    service = ScoringService(spec, model)
+    requests = [items_request(spec, n, seed=n) for n in (200, 100, 50, 256)]
+    responses = service.handle(requests)
+    assert batch_sizes == [200, 150, 256]
+    assert all(r.status == 200 for r in responses)

@@ -1,0 +1,143 @@
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torchrec.inference.modules import quantize_inference_model
+
+from archive_tools.synthetic import items_request
+from handlers.errors import CheckpointError
+from handlers.factory import DLRMFactory, InferenceWeights
+from handlers.spec import CheckpointMapping, Pooling, ShardingType, WeightDtype
+from tests.helpers import forward, model_inputs, sharded, with_tables
+
+# Largest |score - float score| over 128 multi-hot items of the seeded tiny model. Measured worst
+# over seeds 0-4: fp32 0, fp16 1.2e-6, int8 2.2e-5, int4 4.2e-4; bounds leave ~10x headroom.
+SCORE_BOUND = {
+    WeightDtype.FP32: 1e-6,
+    WeightDtype.FP16: 1e-5,
+    WeightDtype.INT8: 2e-4,
+    WeightDtype.INT4: 4e-3,
+}
+
+
+def _scores(model, inputs):
+    return torch.sigmoid(forward(model, inputs))
+
+
+@pytest.mark.parametrize("dtype", list(WeightDtype))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_quantized_scores_within_bound_of_float(tiny_spec, dtype, seed):
+    spec = with_tables(tiny_spec, weight_dtype=dtype)
+    factory = DLRMFactory(spec)
+    float_model = factory.float_model(seed=seed)
+    served = factory.inference_model(factory.quantize(float_model))
+    inputs = model_inputs(spec, [items_request(spec, 128, seed=seed + 10, max_bag=8)])
+    diff = (_scores(served, inputs) - _scores(float_model, inputs)).abs().max().item()
+    assert diff <= SCORE_BOUND[dtype]
+    if dtype != WeightDtype.FP32:
+        assert diff > 0, "a quantized table should not be bit-identical to float"
+
+
+def test_inference_model_equals_torchrec_quantization(tiny_spec, tiny_float_model, tiny_weights):
+    """Building the tables directly in quantized form computes what TorchRec's module swap does."""
+    factory = DLRMFactory(tiny_spec)
+    reference = quantize_inference_model(
+        copy.deepcopy(tiny_float_model),
+        per_table_weight_dtype={
+            "t_user": torch.qint8,
+            "t_item": torch.quint4x2,
+            "t_category": torch.float16,
+            "t_hour": torch.float32,
+        },
+    )
+    inputs = model_inputs(tiny_spec, [items_request(tiny_spec, 32, seed=3)])
+    assert torch.equal(forward(factory.inference_model(tiny_weights), inputs), forward(reference, inputs))
+
+
+@pytest.mark.parametrize(
+    "world_size, sharding",
+    [
+        (2, ShardingType.TABLE_WISE),
+        (2, ShardingType.ROW_WISE),
+        (2, ShardingType.AUTO),
+        (3, ShardingType.ROW_WISE),
+        (1, ShardingType.TABLE_WISE),
+    ],
+)
+def test_sharded_equals_unsharded(tiny_spec, world_size, sharding):
+    # Row-wise sharding needs sum pooling and int tables (handlers.spec refuses the rest).
+    spec = with_tables(tiny_spec, weight_dtype=WeightDtype.INT8, pooling=Pooling.SUM)
+    float_model = DLRMFactory(spec).float_model(seed=4)
+    weights = DLRMFactory(spec).quantize(float_model)
+    unsharded = DLRMFactory(spec).inference_model(weights)
+    sharded_model = DLRMFactory(sharded(spec, world_size, sharding)).inference_model(weights)
+    assert any("Sharded" in type(m).__name__ for m in sharded_model.modules())
+    inputs = model_inputs(spec, [items_request(spec, 64, seed=5, max_bag=6)])
+    assert torch.equal(forward(sharded_model, inputs), forward(unsharded, inputs))
+
+
+def test_weights_round_trip_through_file(tiny_spec, tiny_weights, tmp_path):
+    tiny_weights.save(tmp_path / "weights.pt")
+    loaded = InferenceWeights.load(tmp_path / "weights.pt")
+    factory = DLRMFactory(tiny_spec)
+    inputs = model_inputs(tiny_spec, [items_request(tiny_spec, 16, seed=6)])
+    assert torch.equal(
+        forward(factory.inference_model(loaded), inputs),
+        forward(factory.inference_model(tiny_weights), inputs),
+    )
+
+
+def test_checkpoint_with_dmp_prefix_loads_through_mapping(tiny_spec, tiny_float_model, tmp_path):
+    checkpoint = {f"module.{k}": v for k, v in tiny_float_model.state_dict().items()}
+    torch.save({"state_dict": checkpoint}, tmp_path / "ckpt.pt")
+    spec = _with_mapping(tiny_spec, {"module.": ""})
+    factory = DLRMFactory(spec)
+    model = factory.float_model(seed=99)
+    factory.load_checkpoint(model, DLRMFactory.read_checkpoint(tmp_path / "ckpt.pt"))
+    for key, value in tiny_float_model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_checkpoint_with_renamed_table_loads_through_mapping(tiny_spec, tiny_float_model):
+    ebc = "sparse_arch.embedding_bag_collection.embedding_bags."
+    checkpoint = {
+        k.replace(ebc + "t_user.", ebc + "users."): v for k, v in tiny_float_model.state_dict().items()
+    }
+    spec = _with_mapping(tiny_spec, {ebc + "users.": ebc + "t_user."})
+    model = DLRMFactory(spec).float_model(seed=99)
+    DLRMFactory(spec).load_checkpoint(model, checkpoint)
+    assert torch.equal(model.state_dict()[ebc + "t_user.weight"], checkpoint[ebc + "users.weight"])
+
+
+def test_checkpoint_errors_list_every_bad_key(tiny_spec, tiny_float_model):
+    checkpoint = dict(tiny_float_model.state_dict())
+    ebc = "sparse_arch.embedding_bag_collection.embedding_bags."
+    del checkpoint[ebc + "t_hour.weight"]
+    checkpoint["extra.bias"] = torch.zeros(3)
+    checkpoint[ebc + "t_user.weight"] = torch.zeros(999, 8)
+    factory = DLRMFactory(tiny_spec)
+    with pytest.raises(CheckpointError) as error:
+        factory.load_checkpoint(factory.float_model(seed=0), checkpoint)
+    message = str(error.value)
+    assert f"missing: {ebc}t_hour.weight" in message
+    assert "unexpected: extra.bias" in message
+    assert f"mis-shaped: {ebc}t_user.weight: checkpoint (999, 8) vs model (1000, 8)" in message
+
+
+def test_checkpoint_that_is_not_a_state_dict(tmp_path):
+    torch.save([torch.zeros(1)], tmp_path / "list.pt")
+    with pytest.raises(CheckpointError, match="expected a state dict of tensors"):
+        DLRMFactory.read_checkpoint(tmp_path / "list.pt")
+
+
+def test_inference_weights_for_other_tables_are_refused(tiny_spec, tiny_weights):
+    weights = InferenceWeights(
+        tables={k: v for k, v in tiny_weights.tables.items() if k != "t_hour"}, dense=tiny_weights.dense
+    )
+    with pytest.raises(CheckpointError, match="the spec has"):
+        DLRMFactory(tiny_spec).inference_model(weights)
+
+
+def _with_mapping(spec, prefixes):
+    return dataclasses.replace(spec, checkpoint_mapping=CheckpointMapping(tuple(prefixes.items())))

@@ -1,0 +1,35 @@
+"""Helpers shared by the tests: spec variants and model inputs built from requests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from handlers.batching import coalesce
+from handlers.decode import RequestDecoder
+from handlers.service import dlrm_input_tags
+from handlers.spec import ModelSpec, ShardingSpec, ShardingType
+
+
+def with_tables(spec: ModelSpec, **changes) -> ModelSpec:
+    """The spec with ``changes`` (e.g. weight_dtype=..., sharding=...) applied to every table."""
+    tables = tuple(dataclasses.replace(t, **changes) for t in spec.tables)
+    return dataclasses.replace(spec, tables=tables)
+
+
+def sharded(spec: ModelSpec, world_size: int, sharding: ShardingType) -> ModelSpec:
+    return dataclasses.replace(
+        with_tables(spec, sharding=sharding), sharding=ShardingSpec("cpu", world_size)
+    )
+
+
+def model_inputs(spec: ModelSpec, requests: list[dict]) -> dict:
+    """Decodes JSON-like requests and coalesces them into one batch of model inputs."""
+    decoder = RequestDecoder(spec)
+    return coalesce([decoder.decode(r).inputs for r in requests], dlrm_input_tags(spec))
+
+
+def forward(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(**inputs).reshape(-1)
