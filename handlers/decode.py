@@ -252,7 +252,8 @@ def _int_array(values: list[Any], locate: Any) -> np.ndarray:
 
 
 def _finite_float32(value: int | float) -> bool:
-    return math.isfinite(value) and abs(value) <= _FLOAT32_MAX
+    """Exact for ints of any size; False for NaN and infinities."""
+    return abs(value) <= _FLOAT32_MAX
 
 
 def _parse_json(payload: Any) -> Any:
