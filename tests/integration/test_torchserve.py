@@ -1,0 +1,193 @@
+"""The real thing: archives built by torch-model-archiver, served by a real TorchServe subprocess.
+
+One server per module (free loopback ports, token authorization on), stopped by pid at the end.
+Scores are compared with the in-process model loaded from the archive's own files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from archive_tools.build import ServingConfig, build_archive
+from archive_tools.local_server import LocalTorchServe
+from archive_tools.synthetic import items_request
+from handlers.service import ScoringService
+from tests.conftest import TINY_SPEC
+from tests.handlers.test_decode import BAD_REQUESTS
+
+pytestmark = pytest.mark.integration
+
+BATCH_SIZE = 8
+MAX_BATCH_DELAY_MS = 100  # long enough that concurrent requests land in one TorchServe batch
+
+
+def _build(store: Path, seed: int, version: str) -> Path:
+    return build_archive(
+        TINY_SPEC,
+        checkpoint=None,
+        seed=seed,
+        name="tiny",
+        version=version,
+        model_store=store,
+        serving=ServingConfig(batch_size=BATCH_SIZE, max_batch_delay_ms=MAX_BATCH_DELAY_MS),
+        max_score_diff=0.02,
+    )
+
+
+@pytest.fixture(scope="module")
+def model_store(tmp_path_factory) -> Path:
+    """tiny.mar (v1.0, seed 0) and tiny_v2.mar (v2.0, seed 1) in a folder named model_store."""
+    root = tmp_path_factory.mktemp("archives")
+    store = root / "model_store"
+    _build(store, seed=0, version="1.0")
+    v2 = _build(root / "v2", seed=1, version="2.0")
+    shutil.copy(v2, store / "tiny_v2.mar")
+    return store
+
+
+def _in_process(archive: Path, tmp: Path) -> ScoringService:
+    with zipfile.ZipFile(archive) as z:
+        z.extractall(tmp)
+    return ScoringService.from_files(tmp / "spec.yaml", tmp / "weights.pt")
+
+
+@pytest.fixture(scope="module")
+def reference(model_store, tmp_path_factory) -> dict[str, ScoringService]:
+    return {
+        "1.0": _in_process(model_store / "tiny.mar", tmp_path_factory.mktemp("v1")),
+        "2.0": _in_process(model_store / "tiny_v2.mar", tmp_path_factory.mktemp("v2")),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(model_store):
+    with LocalTorchServe(model_store=model_store) as server:
+        response = server.register(
+            "tiny.mar", batch_size=BATCH_SIZE, max_batch_delay=MAX_BATCH_DELAY_MS, initial_workers=1
+        )
+        assert response.status_code == 200, response.text
+        yield server
+
+
+def _expected(service: ScoringService, request: dict) -> dict:
+    return json.loads(service.handle([json.dumps(request).encode()])[0].body)
+
+
+def test_served_scores_equal_in_process_scores(server, reference, tiny_spec):
+    for n, seed in ((1, 1), (5, 2), (100, 3)):
+        request = items_request(tiny_spec, n, seed=seed, max_bag=5, return_logits=True)
+        response = server.predict("tiny", request)
+        assert response.status_code == 200, response.text
+        assert response.headers["content-type"].startswith("application/json")
+        served, expected = response.json(), _expected(reference["1.0"], request)
+        assert len(served["scores"]) == n
+        assert served["scores"] == pytest.approx(expected["scores"], abs=1e-5)
+        assert served["logits"] == pytest.approx(expected["logits"], abs=1e-5)
+        torch.testing.assert_close(
+            torch.sigmoid(torch.tensor(served["logits"])), torch.tensor(served["scores"]), atol=1e-6, rtol=0
+        )
+
+
+def test_columnar_form_is_served(server, reference):
+    body = {
+        "float_features": [[0.5, -1.0, 2.0, 0.0]],
+        "id_list_features.lengths": [2, 1, 0, 3, 1],
+        "id_list_features.values": [1, 2, 3, 4, 5, 6, 7],
+    }
+    response = server.predict("tiny", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["scores"] == pytest.approx(_expected(reference["1.0"], body)["scores"], abs=1e-5)
+
+
+def test_concurrent_multi_hot_requests_score_as_alone(server, tiny_spec):
+    """Different bag sizes and item counts, batched by TorchServe, get exactly their solo scores."""
+    requests_ = [
+        items_request(tiny_spec, n_items, seed=100 + i, max_bag=bag)
+        for i, (n_items, bag) in enumerate([(1, 0), (3, 7), (1, 20), (17, 2), (2, 50), (8, 1)] * 4)
+    ]
+    alone = [server.predict("tiny", r).json()["scores"] for r in requests_]
+    with ThreadPoolExecutor(max_workers=len(requests_)) as pool:
+        together = list(pool.map(lambda r: server.predict("tiny", r), requests_))
+    for response, solo in zip(together, alone):
+        assert response.status_code == 200, response.text
+        assert response.json()["scores"] == pytest.approx(solo, abs=1e-6)
+
+
+def test_bad_requests_get_400_naming_the_field_and_spare_the_batch(server, reference, tiny_spec):
+    good = [items_request(tiny_spec, 2, seed=200 + i, max_bag=4) for i in range(6)]
+    bad = [(body if isinstance(body, bytes) else json.dumps(body), field) for body, field, _ in BAD_REQUESTS]
+    mixed: list = []
+    for i, (body, field) in enumerate(bad):
+        mixed.append(("bad", body, field))
+        mixed.append(("good", good[i % len(good)], None))
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        responses = list(pool.map(lambda m: server.predict("tiny", m[1]), mixed))
+    for (kind, body, field), response in zip(mixed, responses):
+        if kind == "bad":
+            assert response.status_code == 400, (body, response.text)
+            assert response.json()["field"] == field
+        else:
+            assert response.status_code == 200, response.text
+            assert response.json()["scores"] == pytest.approx(
+                _expected(reference["1.0"], body)["scores"], abs=1e-5
+            )
+    server.check_alive()
+    assert server.predict("tiny", good[0]).status_code == 200
+
+
+def test_request_over_size_limit_is_refused(server):
+    body = b'{"items": [' + b" " * (7 * 2**20) + b"]}"
+    response = server.predict("tiny", body)
+    assert response.status_code == 413
+    server.check_alive()
+
+
+def test_requests_without_token_are_refused(server, tiny_spec):
+    body = json.dumps(items_request(tiny_spec, 1, seed=1))
+    response = requests.post(f"{server.inference_url}/predictions/tiny", data=body, timeout=30)
+    assert 400 <= response.status_code < 500
+    response = requests.get(f"{server.management_url}/models", timeout=30)
+    assert 400 <= response.status_code < 500
+
+
+def test_management_api_versions_scale_and_unregister(server, reference, tiny_spec):
+    request = items_request(tiny_spec, 4, seed=300, max_bag=3)
+    v1, v2 = (_expected(reference[v], request)["scores"] for v in ("1.0", "2.0"))
+    assert v1 != pytest.approx(v2, abs=1e-4), "the two versions must score differently"
+
+    assert server.register("tiny_v2.mar", initial_workers=1).status_code == 200
+    listed = server.management("GET", "/models").json()["models"]
+    assert [m["modelName"] for m in listed] == ["tiny"]
+    described = server.management("GET", "/models/tiny/all").json()
+    assert sorted(d["modelVersion"] for d in described) == ["1.0", "2.0"]
+
+    assert server.predict("tiny", request).json()["scores"] == pytest.approx(v1, abs=1e-5)
+    assert server.predict("tiny", request, version="2.0").json()["scores"] == pytest.approx(v2, abs=1e-5)
+    assert server.management("PUT", "/models/tiny/2.0/set-default").status_code == 200
+    assert server.predict("tiny", request).json()["scores"] == pytest.approx(v2, abs=1e-5)
+
+    scaled = server.management("PUT", "/models/tiny/2.0", params={"min_worker": 2, "synchronous": "true"})
+    assert scaled.status_code == 200, scaled.text
+    workers = server.management("GET", "/models/tiny/2.0").json()[0]["workers"]
+    assert len(workers) == 2
+    assert server.predict("tiny", request).json()["scores"] == pytest.approx(v2, abs=1e-5)
+
+    assert server.management("DELETE", "/models/tiny/1.0").status_code == 200
+    assert server.predict("tiny", request, version="1.0").status_code == 404
+    assert server.management("DELETE", "/models/tiny/2.0").status_code == 200
+    assert server.management("GET", "/models/tiny").status_code == 404
+    assert server.predict("tiny", request).status_code == 404
+
+
+def test_registering_a_remote_url_is_refused(server):
+    response = server.register("https://example.invalid/model.mar")
+    assert response.status_code == 404
+    assert "allowed" in response.json()["message"]
