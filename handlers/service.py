@@ -47,6 +47,7 @@ class ScoringService:
         self.model = model
         self.decoder = RequestDecoder(spec)
         self.tags = dlrm_input_tags(spec)
+        self.device = torch.device(spec.sharding.device)
 
     @classmethod
     def from_files(cls, spec_path: str | Path, weights_path: str | Path) -> "ScoringService":
@@ -79,8 +80,10 @@ class ScoringService:
     def logits(self, requests: Sequence[RequestInputs]) -> list[torch.Tensor]:
         """One forward over all items of ``requests``; logits [n_k] per request."""
         batch = coalesce(requests, self.tags)
+        if self.device.type != "cpu":
+            batch = {name: value.to(self.device) for name, value in batch.items()}
         with torch.inference_mode():
-            output = self.model(**batch).reshape(-1)
+            output = self.model(**batch).reshape(-1).cpu()
         return split_outputs(output, [r.num_items for r in requests])
 
 

@@ -68,7 +68,7 @@ class TableSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingSpec:
-    """Where the tables live. ``devices`` ranks share one device type (``cpu`` or ``cuda``)."""
+    """Where the model runs: ``world_size`` ranks of one device type (``cpu`` or ``cuda``)."""
 
     device: str = "cpu"
     world_size: int = 1
