@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import requests
 
@@ -56,6 +56,7 @@ class LocalTorchServe:
         self.ports = {key: _free_port() for key in _PORT_KEYS}
         self.workdir = Path(tempfile.mkdtemp(prefix="torchserve-"))
         self.process: subprocess.Popen | None = None
+        self._log: BinaryIO | None = None
         self._keys: dict[str, str] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -111,22 +112,17 @@ class LocalTorchServe:
         """Terminates the server's process group (launcher, Java frontend, workers) by its pid."""
         if self.process is not None and self.process.poll() is None:
             pgid = self.process.pid  # start_new_session: the group id is the launcher's pid
-            for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(pgid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.process.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            # Workers may outlive the launcher for a moment; the group is gone once killpg fails.
+            os.killpg(pgid, signal.SIGTERM)
             try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+            try:  # whatever of the group is left (a slow worker) goes now
                 os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        if getattr(self, "_log", None) is not None:
+            self.process.wait(timeout=10)
+        if self._log is not None:
             self._log.close()
         if self.keep_logs is not None and self.workdir.exists():
             shutil.copytree(self.workdir, self.keep_logs, dirs_exist_ok=True)

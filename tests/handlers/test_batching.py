@@ -2,12 +2,14 @@
 
 import dataclasses
 
+import orjson
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from archive_tools.synthetic import items_request
-from handlers.batching import RequestInputs, chunk_by_items
+from handlers.batching import BatchKind, InputTag, RequestInputs, chunk_by_items, coalesce
 from handlers.factory import DLRMFactory
 from handlers.service import ScoringService
 from tests.helpers import forward, model_inputs
@@ -67,3 +69,35 @@ def test_service_chunks_forwards_at_max_items(tiny_spec, tiny_weights):
     responses = service.handle(requests)
     assert batch_sizes == [200, 150, 256]
     assert all(r.status == 200 for r in responses)
+
+
+def test_context_input_is_broadcast_to_each_requests_items():
+    tags = (InputTag("candidates", BatchKind.ROWS), InputTag("user", BatchKind.CONTEXT))
+    requests = [
+        RequestInputs(2, {"candidates": torch.tensor([[1.0], [2.0]]), "user": torch.tensor([[10.0, 11.0]])}),
+        RequestInputs(3, {"candidates": torch.tensor([[3.0], [4.0], [5.0]]), "user": torch.tensor([[20.0, 21.0]])}),
+    ]
+    batch = coalesce(requests, tags)
+    assert batch["candidates"].reshape(-1).tolist() == [1, 2, 3, 4, 5]
+    assert batch["user"].tolist() == [[10, 11], [10, 11], [20, 21], [20, 21], [20, 21]]
+
+
+def test_failed_forward_is_a_500_for_its_chunk_only(tiny_spec, tiny_weights):
+    """A model failure on validated input is our bug: 500 for that chunk, the next chunk is served."""
+    spec = dataclasses.replace(tiny_spec, limits=dataclasses.replace(tiny_spec.limits, max_items_per_forward=256))
+    model = DLRMFactory(spec).inference_model(tiny_weights)
+    original = model.forward
+    calls = []
+
+    def fails_first(dense_features, sparse_features):
+        calls.append(dense_features.shape[0])
+        if len(calls) == 1:
+            raise RuntimeError("kernel exploded")
+        return original(dense_features, sparse_features)
+
+    model.forward = fails_first
+    service = ScoringService(spec, model)
+    responses = service.handle([items_request(spec, 200, seed=1), items_request(spec, 100, seed=2)])
+    assert [r.status for r in responses] == [500, 200]
+    assert b"model forward failed" in responses[0].body
+    assert len(orjson.loads(responses[1].body)["scores"]) == 100

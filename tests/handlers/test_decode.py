@@ -46,8 +46,7 @@ def test_columnar_form_equals_items_form(tiny_spec):
         "id_list_features.values": [5, 6, 9, 7, 23],
         "return_logits": True,
     })
-    for name in (DENSE_INPUT,):
-        assert torch.equal(items.inputs.tensors[name], columnar.inputs.tensors[name])
+    assert torch.equal(items.inputs.tensors[DENSE_INPUT], columnar.inputs.tensors[DENSE_INPUT])
     assert torch.equal(items.inputs.tensors[SPARSE_INPUT].values, columnar.inputs.tensors[SPARSE_INPUT].values)
     assert torch.equal(items.inputs.tensors[SPARSE_INPUT].lengths, columnar.inputs.tensors[SPARSE_INPUT].lengths)
     assert columnar.return_logits
