@@ -10,6 +10,7 @@ directory, where TorchServe writes ``key_file.json`` and its logs. It is always 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "config" / "config.properties"
@@ -35,6 +37,39 @@ _PORT_KEYS = {
     "grpc_inference_port": "{}",
     "grpc_management_port": "{}",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class HandlerCounters:
+    """Our handler's counters for one model (see ``handlers.torchserve_handler``), all workers.
+
+    ``batches``: {requests in a TorchServe batch: how many such batches}.
+    """
+
+    batches: dict[int, int]
+    forwards: int
+    forward_items: int
+
+    def minus(self, earlier: "HandlerCounters") -> "HandlerCounters":
+        """What happened between ``earlier`` and these counters."""
+        batches = {k: v - earlier.batches.get(k, 0) for k, v in self.batches.items()}
+        return HandlerCounters(
+            batches={k: v for k, v in batches.items() if v},
+            forwards=self.forwards - earlier.forwards,
+            forward_items=self.forward_items - earlier.forward_items,
+        )
+
+    @property
+    def requests(self) -> int:
+        return sum(size * count for size, count in self.batches.items())
+
+    @property
+    def mean_requests_per_batch(self) -> float:
+        return self.requests / max(1, sum(self.batches.values()))
+
+    @property
+    def mean_items_per_forward(self) -> float:
+        return self.forward_items / max(1, self.forwards)
 
 
 class ServerDied(RuntimeError):
@@ -172,6 +207,27 @@ class LocalTorchServe:
     def management(self, method: str, path: str, **kwargs: Any) -> requests.Response:
         return requests.request(
             method, f"{self.management_url}{path}", headers=self.auth("management"), timeout=300, **kwargs
+        )
+
+    def handler_counters(self, model: str) -> HandlerCounters:
+        """Reads our handler's counters for ``model`` from the Prometheus metrics API."""
+        response = requests.get(f"{self.metrics_url}/metrics", timeout=30)
+        response.raise_for_status()
+        batches: dict[int, int] = {}
+        totals = {"HandlerForwards": 0, "HandlerForwardItems": 0}
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                if sample.labels.get("ModelName") != model:
+                    continue
+                if family.name == "HandlerBatches":
+                    size = int(sample.labels["Requests"])
+                    batches[size] = batches.get(size, 0) + int(sample.value)
+                elif family.name in totals:
+                    totals[family.name] += int(sample.value)
+        return HandlerCounters(
+            batches=batches,
+            forwards=totals["HandlerForwards"],
+            forward_items=totals["HandlerForwardItems"],
         )
 
     def predict(

@@ -9,6 +9,10 @@ Two request forms are accepted (the README documents both)::
      "id_list_features.lengths": [F*B ints, feature-major],
      "id_list_features.values": [ids...]}
 
+A ``context_ranker`` also takes ``"context": [C floats]`` once per request. A model with
+``weighted_ids`` takes a bag either as ``[ids...]`` (weights 1) or as ``{"ids": [...], "weights":
+[...]}``, and in the columnar form an optional ``"id_list_features.weights"`` beside the values.
+
 Anything else is a ``BadRequest`` naming the field, e.g. ``items[2].sparse.cat_4[1]``.
 """
 
@@ -24,10 +28,8 @@ import torch
 
 from handlers.batching import JaggedIds, RequestInputs
 from handlers.errors import BadRequest
-from handlers.spec import ModelSpec, OutOfRangePolicy
-
-DENSE_INPUT = "dense_features"
-SPARSE_INPUT = "sparse_features"
+from handlers.models import CONTEXT_INPUT, DENSE_INPUT, SPARSE_INPUT
+from handlers.spec import Architecture, ModelSpec, OutOfRangePolicy
 
 _ITEMS_KEYS = {"items", "return_logits"}
 _COLUMNAR_KEYS = {
@@ -36,7 +38,10 @@ _COLUMNAR_KEYS = {
     "id_list_features.values",
     "return_logits",
 }
+_CONTEXT_KEY = "context"
+_WEIGHTS_KEY = "id_list_features.weights"
 _ITEM_KEYS = {"dense", "sparse"}
+_WEIGHTED_BAG_KEYS = {"ids", "weights"}
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _EMPTY_BAG: list = []  # a feature left out of an item; only ever read
 
@@ -48,13 +53,17 @@ class DecodedRequest:
 
 
 class RequestDecoder:
-    """Decodes and validates requests for one DLRM spec."""
+    """Decodes and validates requests for one spec."""
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
         self._features = spec.feature_names
         self._feature_set = frozenset(self._features)
         self._feature_rows = np.asarray(spec.feature_rows, dtype=np.int64)
+        self._has_context = spec.architecture == Architecture.CONTEXT_RANKER
+        extra = {_CONTEXT_KEY} if self._has_context else set()
+        self._items_keys = _ITEMS_KEYS | extra
+        self._columnar_keys = _COLUMNAR_KEYS | extra | ({_WEIGHTS_KEY} if spec.weighted_ids else set())
 
     def decode(self, payload: bytes | bytearray | str | dict | list | None) -> DecodedRequest:
         body = _parse_json(payload)
@@ -64,25 +73,35 @@ class RequestDecoder:
         if not isinstance(return_logits, bool):
             raise BadRequest("return_logits", f"must be true or false, got {return_logits!r}")
         if "items" in body:
-            _reject_unknown(body, _ITEMS_KEYS, "")
-            inputs = self._decode_items(body["items"])
+            _reject_unknown(body, self._items_keys, "")
+            tensors = self._decode_items(body["items"])
         elif "float_features" in body:
-            _reject_unknown(body, _COLUMNAR_KEYS, "")
-            inputs = self._decode_columnar(body)
+            _reject_unknown(body, self._columnar_keys, "")
+            tensors = self._decode_columnar(body)
         else:
             raise BadRequest(
                 "items", "required (or the columnar form with float_features and id_list_features)"
             )
-        return DecodedRequest(inputs=inputs, return_logits=return_logits)
+        if self._has_context:
+            tensors[CONTEXT_INPUT] = self._context(body.get(_CONTEXT_KEY))
+        num_items = tensors[DENSE_INPUT].shape[0]
+        return DecodedRequest(RequestInputs(num_items, tensors), return_logits=return_logits)
+
+    def _context(self, row: Any) -> torch.Tensor:
+        """The request's context row -> float32 [1, C]."""
+        if row is None:
+            raise BadRequest(_CONTEXT_KEY, f"required: a list of {self.spec.context_features} numbers")
+        return self._float_rows([row], self.spec.context_features, lambda _: _CONTEXT_KEY)
 
     # -- the items form ------------------------------------------------------------------------
 
-    def _decode_items(self, items: Any) -> RequestInputs:
+    def _decode_items(self, items: Any) -> dict[str, Any]:
         if not isinstance(items, list) or not items:
             raise BadRequest("items", "must be a non-empty list of items")
         self._check_item_count("items", len(items))
         dense_rows: list[Any] = []
-        bags: list[list[Any]] = [[] for _ in self._features]
+        bags: list[list[list[Any]]] = [[] for _ in self._features]  # [F][n] ids
+        bag_weights: list[list[list[Any]]] = [[] for _ in self._features]  # weighted models only
         for i, item in enumerate(items):
             if not isinstance(item, dict):
                 raise BadRequest(f"items[{i}]", f"must be an object, got {_json_type(item)}")
@@ -98,31 +117,61 @@ class RequestDecoder:
                 name = sorted(unknown)[0]
                 raise BadRequest(f"items[{i}].sparse.{name}", "unknown feature")
             for f, feature in enumerate(self._features):
-                bag = sparse.get(feature, _EMPTY_BAG)
-                if not isinstance(bag, list):
-                    raise BadRequest(
-                        f"items[{i}].sparse.{feature}", f"must be a list of ids, got {_json_type(bag)}"
-                    )
-                bags[f].append(bag)
-        dense = self._dense_tensor(dense_rows, lambda i: f"items[{i}].dense")
+                ids, weights = self._bag(sparse.get(feature, _EMPTY_BAG), f"items[{i}].sparse.{feature}")
+                bags[f].append(ids)
+                bag_weights[f].append(weights)
+        dense = self._float_rows(dense_rows, self.spec.dense_features, lambda i: f"items[{i}].dense")
         lengths = np.array([[len(b) for b in feature_bags] for feature_bags in bags], dtype=np.int64)
         values = [v for feature_bags in bags for bag in feature_bags for v in bag]
-        ids = self._ids(
-            values,
-            lengths,
-            lambda f, i, j: f"items[{i}].sparse.{self._features[f]}"
-            + ("" if j is None else f"[{j}]"),
+
+        def field_of(f: int, i: int, j: int | None) -> str:
+            path = f"items[{i}].sparse.{self._features[f]}"
+            if j is None:
+                return path
+            weighted_form = isinstance(items[i].get("sparse", {}).get(self._features[f]), dict)
+            return f"{path}.ids[{j}]" if weighted_form else f"{path}[{j}]"
+
+        def weight_field(k: int) -> str:
+            f, i, j = _bag_position(lengths, k)
+            return f"items[{i}].sparse.{self._features[f]}.weights[{j}]"
+
+        ids = self._ids(values, lengths, field_of)
+        weights = None
+        if self.spec.weighted_ids:
+            flat = [w for feature_weights in bag_weights for bag in feature_weights for w in bag]
+            weights = _finite_float32s(flat, weight_field)
+        return _sparse_and_dense(dense, lengths, ids, weights)
+
+    def _bag(self, bag: Any, field: str) -> tuple[list[Any], list[Any]]:
+        """One bag -> (ids, weights); a plain list of ids has weights of 1."""
+        if isinstance(bag, list):
+            return bag, [1.0] * len(bag) if self.spec.weighted_ids else _EMPTY_BAG
+        if isinstance(bag, dict) and self.spec.weighted_ids:
+            _reject_unknown(bag, _WEIGHTED_BAG_KEYS, f"{field}.")
+            ids, weights = bag.get("ids"), bag.get("weights")
+            for key, value in (("ids", ids), ("weights", weights)):
+                if not isinstance(value, list):
+                    raise BadRequest(f"{field}.{key}", f"required list, got {_json_type(value)}")
+            if len(weights) != len(ids):
+                raise BadRequest(
+                    f"{field}.weights", f"must hold one weight per id ({len(ids)}), got {len(weights)}"
+                )
+            return ids, weights
+        expected = (
+            'a list of ids or {"ids": [...], "weights": [...]}'
+            if self.spec.weighted_ids
+            else "a list of ids"
         )
-        return _request_inputs(dense, lengths, ids)
+        raise BadRequest(field, f"must be {expected}, got {_json_type(bag)}")
 
     # -- the columnar (TorchRec) form ----------------------------------------------------------
 
-    def _decode_columnar(self, body: dict) -> RequestInputs:
+    def _decode_columnar(self, body: dict) -> dict[str, Any]:
         rows = body["float_features"]
         if not isinstance(rows, list) or not rows:
             raise BadRequest("float_features", "must be a non-empty list of rows")
         self._check_item_count("float_features", len(rows))
-        dense = self._dense_tensor(rows, lambda i: f"float_features[{i}]")
+        dense = self._float_rows(rows, self.spec.dense_features, lambda i: f"float_features[{i}]")
         num_items, num_features = len(rows), len(self._features)
         raw_lengths = body.get("id_list_features.lengths")
         raw_values = body.get("id_list_features.values")
@@ -155,7 +204,15 @@ class RequestDecoder:
             + ("" if j is None else f", id {j}")
             + ")",
         )
-        return _request_inputs(dense, lengths, ids)
+        weights = None
+        if self.spec.weighted_ids:
+            raw_weights = body.get(_WEIGHTS_KEY, [1.0] * len(raw_values))
+            if not isinstance(raw_weights, list) or len(raw_weights) != len(raw_values):
+                raise BadRequest(
+                    _WEIGHTS_KEY, f"must be a list of one weight per value ({len(raw_values)})"
+                )
+            weights = _finite_float32s(raw_weights, lambda k: f"{_WEIGHTS_KEY}[{k}]")
+        return _sparse_and_dense(dense, lengths, ids, weights)
 
     # -- shared checks -------------------------------------------------------------------------
 
@@ -164,31 +221,16 @@ class RequestDecoder:
         if count > cap:
             raise BadRequest(field, f"{count} items exceed the limit of {cap} per request")
 
-    def _dense_tensor(self, rows: list[Any], field_of: Any) -> torch.Tensor:
-        """[n] rows of ``dense_features`` finite numbers -> float32 [n, D]."""
-        width = self.spec.dense_features
+    def _float_rows(self, rows: list[Any], width: int, field_of: Any) -> torch.Tensor:
+        """[n] rows of ``width`` finite numbers -> float32 [n, width]."""
         for i, row in enumerate(rows):
             if not isinstance(row, list):
                 raise BadRequest(field_of(i), f"must be a list of {width} numbers, got {_json_type(row)}")
             if len(row) != width:
                 raise BadRequest(field_of(i), f"must hold {width} numbers, got {len(row)}")
         flat = [v for row in rows for v in row]
-        if not set(map(type, flat)) <= {int, float}:
-            k = next(k for k, v in enumerate(flat) if type(v) not in (int, float))
-            raise BadRequest(
-                f"{field_of(k // width)}[{k % width}]", f"must be a number, got {flat[k]!r}"
-            )
-        try:
-            with np.errstate(over="ignore"):  # beyond float32 becomes inf, refused below
-                dense = np.array(flat, dtype=np.float64).astype(np.float32)
-        except OverflowError:  # an integer beyond float64
-            dense = None
-        if dense is None or not np.isfinite(dense).all():
-            k = next(k for k, v in enumerate(flat) if not _finite_float32(v))
-            raise BadRequest(
-                f"{field_of(k // width)}[{k % width}]", f"must be finite in float32, got {flat[k]!r}"
-            )
-        return torch.from_numpy(dense.reshape(len(rows), width))
+        values = _finite_float32s(flat, lambda k: f"{field_of(k // width)}[{k % width}]")
+        return torch.from_numpy(values.reshape(len(rows), width))
 
     def _ids(self, values: list[Any], lengths: np.ndarray, field_of: Any) -> np.ndarray:
         """Validates ids against bag caps and table rows; applies the out-of-range policy.
@@ -204,11 +246,7 @@ class RequestDecoder:
             )
 
         def locate(k: int) -> str:
-            offsets = np.cumsum(lengths.reshape(-1))
-            bag = int(np.searchsorted(offsets, k, side="right"))
-            f, i = divmod(bag, lengths.shape[1])
-            start = int(offsets[bag - 1]) if bag else 0
-            return field_of(f, i, k - start)
+            return field_of(*_bag_position(lengths, k))
 
         ids = _int_array(values, locate)
         if (ids < 0).any():
@@ -227,16 +265,42 @@ class RequestDecoder:
         return ids
 
 
-def _request_inputs(dense: torch.Tensor, lengths: np.ndarray, ids: np.ndarray) -> RequestInputs:
-    return RequestInputs(
-        num_items=dense.shape[0],
-        tensors={
-            DENSE_INPUT: dense,
-            SPARSE_INPUT: JaggedIds(
-                lengths=torch.from_numpy(lengths), values=torch.from_numpy(ids.astype(np.int64))
-            ),
-        },
-    )
+def _bag_position(lengths: np.ndarray, k: int) -> tuple[int, int, int]:
+    """Value index ``k`` of feature-major bags ``lengths`` [F, n] -> (feature, item, index in bag)."""
+    offsets = np.cumsum(lengths.reshape(-1))
+    bag = int(np.searchsorted(offsets, k, side="right"))
+    f, i = divmod(bag, lengths.shape[1])
+    start = int(offsets[bag - 1]) if bag else 0
+    return f, i, k - start
+
+
+def _sparse_and_dense(
+    dense: torch.Tensor, lengths: np.ndarray, ids: np.ndarray, weights: np.ndarray | None
+) -> dict[str, Any]:
+    return {
+        DENSE_INPUT: dense,
+        SPARSE_INPUT: JaggedIds(
+            lengths=torch.from_numpy(lengths),
+            values=torch.from_numpy(ids.astype(np.int64)),
+            weights=None if weights is None else torch.from_numpy(weights),
+        ),
+    }
+
+
+def _finite_float32s(flat: list[Any], locate: Any) -> np.ndarray:
+    """JSON numbers -> float32 array; non-numbers and values beyond float32 are a ``BadRequest``."""
+    if not set(map(type, flat)) <= {int, float}:
+        k = next(k for k, v in enumerate(flat) if type(v) not in (int, float))
+        raise BadRequest(locate(k), f"must be a number, got {flat[k]!r}")
+    try:
+        with np.errstate(over="ignore"):  # beyond float32 becomes inf, refused below
+            values = np.array(flat, dtype=np.float64).astype(np.float32)
+    except OverflowError:  # an integer beyond float64
+        values = None
+    if values is None or not np.isfinite(values).all():
+        k = next(k for k, v in enumerate(flat) if not _finite_float32(v))
+        raise BadRequest(locate(k), f"must be finite in float32, got {flat[k]!r}")
+    return values
 
 
 def _int_array(values: list[Any], locate: Any) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""DLRMFactory: a ``ModelSpec`` -> TorchRec ``DLRM`` models, float and inference.
+"""DLRMFactory: a ``ModelSpec`` -> TorchRec models (DLRM or a context ranker), float and inference.
 
 Two paths share the spec:
 
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from handlers.errors import CheckpointError
+from handlers.models import EBC_PATH, build_model
 from handlers.spec import ModelSpec, Pooling, ShardingType, TableSpec, WeightDtype
 
 # Importing fbgemm_gpu registers the TBE operators that TorchRec's quantized modules call.
@@ -34,13 +35,10 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel  # isort
 from torchrec.distributed.global_settings import set_propogate_device  # isort: skip
 from torchrec.distributed.planner.types import ParameterConstraints  # isort: skip
 from torchrec.inference.modules import quantize_inference_model, shard_quant_model  # isort: skip
-from torchrec.models.dlrm import DLRM  # isort: skip
 from torchrec.modules.embedding_configs import DataType, PoolingType  # isort: skip
 from torchrec.quant.embedding_modules import (  # isort: skip
     EmbeddingBagCollection as QuantEmbeddingBagCollection,
 )
-
-_EBC_PATH = "sparse_arch.embedding_bag_collection"
 
 _TORCHREC_DTYPE = {
     WeightDtype.FP32: DataType.FP32,
@@ -91,7 +89,7 @@ class InferenceWeights:
 
 
 class DLRMFactory:
-    """Builds DLRM models from one spec. Holds no model state of its own.
+    """Builds the spec's model (``handlers.models``), float or served. Holds no model state.
 
     >>> factory = DLRMFactory(ModelSpec.from_yaml("config/models/tiny.yaml"))
     >>> float_model = factory.float_model(seed=0)
@@ -117,12 +115,11 @@ class DLRMFactory:
             for t in self.spec.tables
         ]
 
-    def float_model(self, seed: int | None = None, device: str = "cpu") -> DLRM:
-        """The float DLRM as trained; random weights from ``seed`` until a checkpoint is loaded."""
+    def float_model(self, seed: int | None = None, device: str = "cpu") -> nn.Module:
+        """The float model as trained; random weights from ``seed`` until a checkpoint is loaded."""
         if seed is not None:
             torch.manual_seed(seed)
-        ebc = EmbeddingBagCollection(tables=self.table_configs(), device=torch.device(device))
-        return self._dlrm(ebc, device).eval()
+        return build_model(self.spec, self._float_ebc(device), device).eval()
 
     def load_checkpoint(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         """Loads a trained state dict strictly, after the spec's name mapping.
@@ -168,7 +165,7 @@ class DLRMFactory:
 
     # -- inference model -----------------------------------------------------------------------
 
-    def quantize(self, float_model: DLRM) -> InferenceWeights:
+    def quantize(self, float_model: nn.Module) -> InferenceWeights:
         """Quantizes each table to its spec dtype with TorchRec (FBGEMM row-wise quantization)."""
         quantized = quantize_inference_model(
             copy.deepcopy(float_model),
@@ -183,7 +180,7 @@ class DLRMFactory:
         dense = {
             k: v.detach().clone()
             for k, v in float_model.state_dict().items()
-            if not k.startswith(_EBC_PATH + ".")
+            if not k.startswith(EBC_PATH + ".")
         }
         return InferenceWeights(tables=tables, dense=dense)
 
@@ -193,12 +190,11 @@ class DLRMFactory:
         Tables are allocated directly in their quantized dtype; the float tables never exist.
         """
         device = self.spec.sharding.device
-        # The float EBC only gives DLRM its shapes; on ``meta`` it allocates nothing.
-        meta_ebc = EmbeddingBagCollection(tables=self.table_configs(), device=torch.device("meta"))
-        model = self._dlrm(meta_ebc, device)
+        # The float EBC only gives the model its shapes; on ``meta`` it allocates nothing.
+        model = build_model(self.spec, self._float_ebc("meta"), device)
         model.sparse_arch.embedding_bag_collection = QuantEmbeddingBagCollection(
             tables=self.table_configs(with_dtypes=True),
-            is_weighted=False,
+            is_weighted=self.spec.weighted_ids,
             device=torch.device(device),
             output_dtype=torch.float,
             register_tbes=True,
@@ -206,7 +202,7 @@ class DLRMFactory:
         if self.spec.is_sharded:
             model = self._shard(model)
         missing, unexpected = model.load_state_dict(weights.dense, strict=False)
-        dense_missing = [k for k in missing if not k.startswith(_EBC_PATH + ".")]
+        dense_missing = [k for k in missing if not k.startswith(EBC_PATH + ".")]
         if dense_missing or unexpected:
             raise CheckpointError(
                 f"inference weights do not match the spec: missing {dense_missing}, "
@@ -217,13 +213,11 @@ class DLRMFactory:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _dlrm(self, ebc: EmbeddingBagCollection, device: str) -> DLRM:
-        return DLRM(
-            embedding_bag_collection=ebc,
-            dense_in_features=self.spec.dense_features,
-            dense_arch_layer_sizes=list(self.spec.bottom_mlp),
-            over_arch_layer_sizes=list(self.spec.top_mlp),
-            dense_device=torch.device(device),
+    def _float_ebc(self, device: str) -> EmbeddingBagCollection:
+        return EmbeddingBagCollection(
+            tables=self.table_configs(),
+            is_weighted=self.spec.weighted_ids,
+            device=torch.device(device),
         )
 
     def _shard(self, model: nn.Module) -> nn.Module:

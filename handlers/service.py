@@ -16,10 +16,11 @@ import orjson
 import torch
 from torch import nn
 
-from handlers.batching import BatchKind, InputTag, RequestInputs, chunk_by_items, coalesce, split_outputs
-from handlers.decode import DENSE_INPUT, SPARSE_INPUT, DecodedRequest, RequestDecoder
+from handlers.batching import RequestInputs, chunk_by_items, coalesce, split_outputs
+from handlers.decode import DecodedRequest, RequestDecoder
 from handlers.errors import InternalError, ServingError
 from handlers.factory import DLRMFactory, InferenceWeights
+from handlers.models import input_tags
 from handlers.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -31,23 +32,17 @@ class Response:
     body: bytes
 
 
-def dlrm_input_tags(spec: ModelSpec) -> tuple[InputTag, ...]:
-    """DLRM's forward(dense_features [B, D], sparse_features KJT) and how each input batches."""
-    return (
-        InputTag(DENSE_INPUT, BatchKind.ROWS),
-        InputTag(SPARSE_INPUT, BatchKind.JAGGED, keys=spec.feature_names),
-    )
-
-
 class ScoringService:
-    """Scores DLRM requests with one model; one response per request, in order."""
+    """Scores requests with one model; one response per request, in order."""
 
     def __init__(self, spec: ModelSpec, model: nn.Module) -> None:
         self.spec = spec
         self.model = model
         self.decoder = RequestDecoder(spec)
-        self.tags = dlrm_input_tags(spec)
+        self.tags = input_tags(spec)
         self.device = torch.device(spec.sharding.device)
+        # Items in each forward of the latest ``handle`` call, for the handler's metrics.
+        self.last_forward_items: list[int] = []
 
     @classmethod
     def from_files(cls, spec_path: str | Path, weights_path: str | Path) -> "ScoringService":
@@ -64,7 +59,9 @@ class ScoringService:
             except ServingError as e:
                 responses[index] = _error_response(e)
         requests = [d.inputs for _, d in decoded]
+        self.last_forward_items = []
         for chunk in chunk_by_items(requests, self.spec.limits.max_items_per_forward):
+            self.last_forward_items.append(sum(requests[i].num_items for i in chunk))
             try:
                 logits = self.logits([requests[i] for i in chunk])
             except Exception:  # the model failed on validated input: a bug, not the client's

@@ -1,4 +1,4 @@
-"""One typed description of a DLRM, shared by the factory, the archive tool, the handler and the tests.
+"""One typed description of a model (DLRM or a context ranker), shared by the factory, the archive tool, the handler and the tests.
 
 A spec is parsed once from YAML (``ModelSpec.from_yaml``) and validated on construction; every
 error names the offending key, e.g. ``tables[2].dim: must equal bottom_mlp[-1] (64), got 32``.
@@ -23,6 +23,15 @@ from typing import Any, Mapping
 import yaml
 
 from handlers.errors import SpecError
+
+
+class Architecture(str, enum.Enum):
+    """``dlrm``: TorchRec's DLRM over per-item features. ``context_ranker``: per-item (candidate)
+    features plus request-level context features, computed once per request and broadcast to its
+    items inside the model (``handlers.models.ContextRanker``)."""
+
+    DLRM = "dlrm"
+    CONTEXT_RANKER = "context_ranker"
 
 
 class Pooling(str, enum.Enum):
@@ -101,11 +110,19 @@ class CheckpointMapping:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
+    """``dense_features``/``bottom_mlp``: per-item dense input and its MLP; ``context_features``/
+    ``context_mlp``: the per-request context input of a ``context_ranker`` (0 / () for DLRM);
+    ``weighted_ids``: every id may carry a float weight (weighted sum pooling)."""
+
     name: str
     dense_features: int
     bottom_mlp: tuple[int, ...]
     top_mlp: tuple[int, ...]
     tables: tuple[TableSpec, ...]
+    architecture: Architecture = Architecture.DLRM
+    context_features: int = 0
+    context_mlp: tuple[int, ...] = ()
+    weighted_ids: bool = False
     sharding: ShardingSpec = ShardingSpec()
     out_of_range: OutOfRangePolicy = OutOfRangePolicy.REJECT
     limits: Limits = Limits()
@@ -146,11 +163,19 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """The inverse of ``from_dict``: plain YAML-safe values."""
+        context = (
+            {"context_features": self.context_features, "context_mlp": list(self.context_mlp)}
+            if self.architecture == Architecture.CONTEXT_RANKER
+            else {}
+        )
         return {
             "name": self.name,
+            "architecture": self.architecture.value,
             "dense_features": self.dense_features,
+            **context,
             "bottom_mlp": list(self.bottom_mlp),
             "top_mlp": list(self.top_mlp),
+            "weighted_ids": self.weighted_ids,
             "tables": [
                 {
                     "name": t.name,
@@ -179,11 +204,17 @@ class ModelSpec:
 
 def _parse_model(raw: Any) -> ModelSpec:
     obj = _Obj(raw, "spec")
+    architecture = obj.enum("architecture", Architecture, Architecture.DLRM)
+    has_context = architecture == Architecture.CONTEXT_RANKER
     spec = ModelSpec(
         name=obj.str("name"),
+        architecture=architecture,
         dense_features=obj.positive_int("dense_features"),
+        context_features=obj.positive_int("context_features") if has_context else 0,
+        context_mlp=obj.int_list("context_mlp") if has_context else (),
         bottom_mlp=obj.int_list("bottom_mlp"),
         top_mlp=obj.int_list("top_mlp"),
+        weighted_ids=obj.bool("weighted_ids", False),
         tables=tuple(_parse_table(t, f"tables[{i}]") for i, t in enumerate(obj.list("tables"))),
         sharding=_parse_sharding(obj.get("sharding", {}), "sharding"),
         out_of_range=obj.enum("out_of_range", OutOfRangePolicy, OutOfRangePolicy.REJECT),
@@ -262,7 +293,7 @@ def _validate(spec: ModelSpec) -> None:
         if t.name in seen_tables:
             raise SpecError(f"tables[{i}].name: duplicate table name {t.name!r}")
         seen_tables.add(t.name)
-        if t.dim != spec.bottom_mlp[-1]:
+        if spec.architecture == Architecture.DLRM and t.dim != spec.bottom_mlp[-1]:
             raise SpecError(
                 f"tables[{i}].dim: must equal bottom_mlp[-1] ({spec.bottom_mlp[-1]}) so DLRM can "
                 f"take dot products, got {t.dim}"
@@ -273,6 +304,11 @@ def _validate(spec: ModelSpec) -> None:
             if f in seen_features:
                 raise SpecError(f"tables[{i}].features: feature {f!r} is used by two tables")
             seen_features.add(f)
+        if spec.weighted_ids and t.pooling != Pooling.SUM:
+            raise SpecError(
+                f"tables[{i}].pooling: weighted_ids needs sum pooling (per-id weights scale a sum), "
+                f"got {t.pooling.value}"
+            )
         if t.weight_dtype == WeightDtype.INT4 and t.dim % 2:
             raise SpecError(f"tables[{i}].dim: int4 tables need an even dim, got {t.dim}")
         if t.sharding == ShardingType.COLUMN_WISE:
@@ -338,6 +374,12 @@ class _Obj:
         value = self.get(key)
         if not isinstance(value, list) or not value:
             raise SpecError(f"{self._path}.{key}: must be a non-empty list, got {value!r}")
+        return value
+
+    def bool(self, key: str, default: Any = ...) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise SpecError(f"{self._path}.{key}: must be true or false, got {value!r}")
         return value
 
     def int_list(self, key: str) -> tuple[int, ...]:

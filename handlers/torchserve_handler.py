@@ -4,6 +4,10 @@ TorchServe calls ``initialize(context)`` once per worker and ``handle(data, cont
 requests (``batchSize`` / ``maxBatchDelay``). Model loading is our own (``ScoringService.from_files``:
 spec + memory-mapped weights), not BaseHandler's. This module defines exactly one class, as
 TorchServe's class entry point requires.
+
+Metrics (Prometheus counters on the metrics API, with ``model_metrics_auto_detect=true``):
+``HandlerBatches{Requests="k"}`` counts the TorchServe batches of k requests the worker received,
+``HandlerForwards`` the model forwards and ``HandlerForwardItems`` the items they scored.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ts.metrics.dimension import Dimension
 
 from handlers.service import ScoringService
 
@@ -45,7 +50,16 @@ class DLRMHandler:
         assert self.service is not None, "initialize() was not called"
         payloads = [row.get("body", row.get("data")) for row in data]
         responses = self.service.handle(payloads)
+        self._count(context, "HandlerBatches", 1, Dimension("Requests", str(len(data))))
+        forwards = self.service.last_forward_items
+        self._count(context, "HandlerForwards", len(forwards))
+        self._count(context, "HandlerForwardItems", sum(forwards))
         for index, response in enumerate(responses):
             context.set_response_status(response.status, "", idx=index)
             context.set_response_content_type(index, "application/json")
         return [r.body for r in responses]
+
+    @staticmethod
+    def _count(context: Any, name: str, value: int, *extra: Dimension) -> None:
+        dimensions = [Dimension("ModelName", context.model_name), Dimension("Level", "Model"), *extra]
+        context.metrics.add_counter(name, value, None, dimensions)

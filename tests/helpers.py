@@ -8,7 +8,7 @@ import torch
 
 from handlers.batching import coalesce
 from handlers.decode import RequestDecoder
-from handlers.service import dlrm_input_tags
+from handlers.models import input_tags
 from handlers.spec import ModelSpec, ShardingSpec, ShardingType
 
 
@@ -27,7 +27,7 @@ def sharded(spec: ModelSpec, world_size: int, sharding: ShardingType) -> ModelSp
 def model_inputs(spec: ModelSpec, requests: list[dict]) -> dict:
     """Decodes JSON-like requests and coalesces them into one batch of model inputs."""
     decoder = RequestDecoder(spec)
-    return coalesce([decoder.decode(r).inputs for r in requests], dlrm_input_tags(spec))
+    return coalesce([decoder.decode(r).inputs for r in requests], input_tags(spec))
 
 
 def forward(model: torch.nn.Module, inputs: dict) -> torch.Tensor:

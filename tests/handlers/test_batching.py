@@ -3,16 +3,24 @@
 import dataclasses
 
 import orjson
-
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from archive_tools.synthetic import items_request
-from handlers.batching import BatchKind, InputTag, RequestInputs, chunk_by_items, coalesce
+from handlers.batching import BatchKind, InputTag, JaggedIds, RequestInputs, chunk_by_items, coalesce
 from handlers.factory import DLRMFactory
 from handlers.service import ScoringService
 from tests.helpers import forward, model_inputs
+
+
+@pytest.fixture(scope="module")
+def served_models(tiny_spec, tiny_weights, ranker_spec, ranker_weights):
+    return [
+        (tiny_spec, DLRMFactory(tiny_spec).inference_model(tiny_weights)),
+        (ranker_spec, DLRMFactory(ranker_spec).inference_model(ranker_weights)),
+    ]
 
 
 def _request(spec, draw_items, draw_bag, seed):
@@ -27,13 +35,14 @@ def _request(spec, draw_items, draw_bag, seed):
         max_size=6,
     )
 )
-def test_coalesced_scores_equal_one_by_one(tiny_spec, tiny_weights, shapes):
-    model = DLRMFactory(tiny_spec).inference_model(tiny_weights)
-    requests = [_request(tiny_spec, n, bag, seed) for n, bag, seed in shapes]
-    alone = [forward(model, model_inputs(tiny_spec, [r])) for r in requests]
-    together = forward(model, model_inputs(tiny_spec, requests))
-    assert together.shape[0] == sum(n for n, _, _ in shapes)
-    torch.testing.assert_close(together, torch.cat(alone), atol=1e-6, rtol=0)
+def test_coalesced_scores_equal_one_by_one(served_models, shapes):
+    """DLRM (no context) and the context ranker (context once per request, weighted ids)."""
+    for spec, model in served_models:
+        requests = [_request(spec, n, bag, seed) for n, bag, seed in shapes]
+        alone = [forward(model, model_inputs(spec, [r])) for r in requests]
+        together = forward(model, model_inputs(spec, requests))
+        assert together.shape[0] == sum(n for n, _, _ in shapes)
+        torch.testing.assert_close(together, torch.cat(alone), atol=1e-6, rtol=0)
 
 
 def test_service_answers_in_order_and_isolates_bad_requests(tiny_spec, tiny_weights):
@@ -71,15 +80,53 @@ def test_service_chunks_forwards_at_max_items(tiny_spec, tiny_weights):
     assert all(r.status == 200 for r in responses)
 
 
-def test_context_input_is_broadcast_to_each_requests_items():
-    tags = (InputTag("candidates", BatchKind.ROWS), InputTag("user", BatchKind.CONTEXT))
-    requests = [
-        RequestInputs(2, {"candidates": torch.tensor([[1.0], [2.0]]), "user": torch.tensor([[10.0, 11.0]])}),
-        RequestInputs(3, {"candidates": torch.tensor([[3.0], [4.0], [5.0]]), "user": torch.tensor([[20.0, 21.0]])}),
+def _two_requests(**extra):
+    """Requests of 2 and 3 candidates, each with its own user context row."""
+    return [
+        RequestInputs(2, {"candidates": torch.tensor([[1.0], [2.0]]), "user": torch.tensor([[10.0, 11.0]]), **extra}),
+        RequestInputs(3, {"candidates": torch.tensor([[3.0], [4.0], [5.0]]), "user": torch.tensor([[20.0, 21.0]]), **extra}),
     ]
-    batch = coalesce(requests, tags)
+
+
+def test_context_input_is_broadcast_to_each_requests_items():
+    tags = (InputTag("candidates", BatchKind.ROWS), InputTag("user", BatchKind.CONTEXT, broadcast=True))
+    batch = coalesce(_two_requests(), tags)
     assert batch["candidates"].reshape(-1).tolist() == [1, 2, 3, 4, 5]
     assert batch["user"].tolist() == [[10, 11], [10, 11], [20, 21], [20, 21], [20, 21]]
+
+
+def test_context_kept_per_request_with_item_counts():
+    """Without ``broadcast`` the model gets one context row per request and the item counts."""
+    tags = (
+        InputTag("user", BatchKind.CONTEXT),
+        InputTag("counts", BatchKind.ITEM_COUNTS),
+        InputTag("candidates", BatchKind.ROWS),
+    )
+    batch = coalesce(_two_requests(), tags)
+    assert batch["user"].tolist() == [[10, 11], [20, 21]]
+    assert batch["counts"].tolist() == [2, 3] and batch["counts"].dtype == torch.int64
+
+
+def test_static_input_is_passed_once_and_must_agree():
+    tags = (InputTag("candidates", BatchKind.ROWS), InputTag("temperature", BatchKind.STATIC))
+    batch = coalesce(_two_requests(temperature=torch.tensor(0.5)), tags)
+    assert batch["temperature"].item() == 0.5
+    requests = _two_requests(temperature=torch.tensor(0.5))
+    requests[1].tensors["temperature"] = torch.tensor(0.7)
+    with pytest.raises(ValueError, match="temperature: request 1 differs"):
+        coalesce(requests, tags)
+
+
+def test_jagged_weights_follow_their_ids():
+    tags = (InputTag("ids", BatchKind.JAGGED, keys=("a", "b")),)
+    requests = [
+        RequestInputs(1, {"ids": JaggedIds(torch.tensor([[2], [1]]), torch.tensor([1, 2, 3]), torch.tensor([0.1, 0.2, 0.3]))}),
+        RequestInputs(2, {"ids": JaggedIds(torch.tensor([[1, 0], [0, 1]]), torch.tensor([4, 5]), torch.tensor([0.4, 0.5]))}),
+    ]
+    kjt = coalesce(requests, tags)["ids"]
+    assert kjt.lengths().tolist() == [2, 1, 0, 1, 0, 1]
+    assert kjt.values().tolist() == [1, 2, 4, 3, 5]
+    torch.testing.assert_close(kjt.weights(), torch.tensor([0.1, 0.2, 0.4, 0.3, 0.5]))
 
 
 def test_failed_forward_is_a_500_for_its_chunk_only(tiny_spec, tiny_weights):

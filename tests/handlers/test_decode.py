@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from handlers.decode import DENSE_INPUT, SPARSE_INPUT, RequestDecoder
+from handlers.decode import RequestDecoder
+from handlers.models import CONTEXT_INPUT, DENSE_INPUT, SPARSE_INPUT
 from handlers.errors import BadRequest
 from handlers.spec import OutOfRangePolicy
 
@@ -128,3 +129,72 @@ def test_already_decoded_huge_integers_are_rejected(tiny_spec, item, field, prob
     with pytest.raises(BadRequest) as error:
         RequestDecoder(tiny_spec).decode({"items": [item]})
     assert error.value.field == field and problem in error.value.message
+
+
+# -- the context ranker: a request-level context row and per-id weights ------------------------
+
+RANKER_ITEM = {"dense": [0.1, 0.2, 0.3], "sparse": {"item_id": [7], "item_tags": {"ids": [1, 2], "weights": [0.5, 2]}}}
+CONTEXT = [0.5] * 8
+
+
+def test_ranker_request_carries_context_and_weights(ranker_spec):
+    body = {"context": CONTEXT, "items": [RANKER_ITEM, {"dense": [1, 2, 3], "sparse": {"item_tags": [4]}}]}
+    request = _decode(ranker_spec, body)
+    assert request.inputs.num_items == 2
+    assert request.inputs.tensors[CONTEXT_INPUT].shape == (1, 8)
+    jagged = request.inputs.tensors[SPARSE_INPUT]
+    # features: item_id, item_tags, seller; a plain list of ids has weights 1
+    assert jagged.lengths.tolist() == [[1, 0], [2, 1], [0, 0]]
+    assert jagged.values.tolist() == [7, 1, 2, 4]
+    assert jagged.weights.tolist() == [1.0, 0.5, 2.0, 1.0]
+
+
+def test_ranker_columnar_form_takes_context_and_optional_weights(ranker_spec):
+    body = {
+        "context": CONTEXT,
+        "float_features": [[1, 2, 3]],
+        "id_list_features.lengths": [1, 2, 0],
+        "id_list_features.values": [7, 1, 2],
+    }
+    assert _decode(ranker_spec, body).inputs.tensors[SPARSE_INPUT].weights.tolist() == [1, 1, 1]
+    body["id_list_features.weights"] = [1, 0.5, 2]
+    assert _decode(ranker_spec, body).inputs.tensors[SPARSE_INPUT].weights.tolist() == [1, 0.5, 2]
+
+
+def _ranker_item(**sparse):
+    return {"context": CONTEXT, "items": [RANKER_ITEM, {"dense": [0, 0, 0], "sparse": sparse}]}
+
+
+RANKER_BAD_REQUESTS = [
+    ({"items": [RANKER_ITEM]}, "context", "required: a list of 8 numbers"),
+    ({"context": [1.0] * 7, "items": [RANKER_ITEM]}, "context", "must hold 8 numbers, got 7"),
+    ({"context": [1.0] * 7 + ["x"], "items": [RANKER_ITEM]}, "context[7]", "must be a number"),
+    ({"context": 3, "items": [RANKER_ITEM]}, "context", "must be a list of 8 numbers"),
+    (_ranker_item(item_tags={"ids": [1, 2], "weights": [1]}), "items[1].sparse.item_tags.weights", "one weight per id (2), got 1"),
+    (_ranker_item(item_tags={"ids": [1], "weights": ["x"]}), "items[1].sparse.item_tags.weights[0]", "must be a number"),
+    (_ranker_item(item_tags={"ids": [1, 2], "weights": [1, 1e39]}), "items[1].sparse.item_tags.weights[1]", "finite in float32"),
+    (_ranker_item(item_tags={"ids": [1, 999]}), "items[1].sparse.item_tags.weights", "required list, got null"),
+    (_ranker_item(item_tags={"ids": [1, 999], "weights": [1, 1]}), "items[1].sparse.item_tags.ids[1]", "outside the table's 300 rows"),
+    (_ranker_item(item_tags={"ids": [1], "weights": [1], "bias": 2}), "items[1].sparse.item_tags.bias", "unknown field"),
+    (_ranker_item(item_tags=3), "items[1].sparse.item_tags", 'a list of ids or {"ids"'),
+    ({"context": CONTEXT, "float_features": [[1, 2, 3]], "id_list_features.lengths": [1, 0, 0],
+      "id_list_features.values": [1], "id_list_features.weights": [1, 2]}, "id_list_features.weights", "one weight per value (1)"),
+]
+
+
+@pytest.mark.parametrize("body, field, problem", RANKER_BAD_REQUESTS)
+def test_bad_ranker_request_names_the_field(ranker_spec, body, field, problem):
+    with pytest.raises(BadRequest) as error:
+        _decode(ranker_spec, body)
+    assert error.value.field == field
+    assert problem in error.value.message
+
+
+def test_dlrm_refuses_context_and_weighted_bags(tiny_spec):
+    with pytest.raises(BadRequest) as error:
+        _decode(tiny_spec, {"context": [1.0], "items": [GOOD_ITEM]})
+    assert error.value.field == "context" and "unknown field" in error.value.message
+    with pytest.raises(BadRequest) as error:
+        _decode(tiny_spec, _with_item(sparse={"user_id": {"ids": [1], "weights": [1]}}))
+    assert error.value.field == "items[1].sparse.user_id"
+    assert "must be a list of ids, got object" in error.value.message

@@ -141,3 +141,40 @@ def test_inference_weights_for_other_tables_are_refused(tiny_spec, tiny_weights)
 
 def _with_mapping(spec, prefixes):
     return dataclasses.replace(spec, checkpoint_mapping=CheckpointMapping(tuple(prefixes.items())))
+
+
+# -- the context ranker ----------------------------------------------------------------------
+
+
+def test_ranker_quantized_scores_within_bound_of_float(ranker_spec, ranker_float_model, ranker_weights):
+    """int8, int4 and fp16 tables together: bounded by the loosest (int4) table's bound."""
+    served = DLRMFactory(ranker_spec).inference_model(ranker_weights)
+    inputs = model_inputs(ranker_spec, [items_request(ranker_spec, 128, seed=s, max_bag=8) for s in range(3)])
+    diff = (_scores(served, inputs) - _scores(ranker_float_model, inputs)).abs().max().item()
+    assert 0 < diff <= SCORE_BOUND[WeightDtype.INT4]
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["float", "quantized"])
+def test_ranker_id_weight_scales_its_embedding(ranker_spec, ranker_float_model, ranker_weights, served):
+    """Sum pooling with weights: an id with weight 2 scores as that id given twice."""
+    model = DLRMFactory(ranker_spec).inference_model(ranker_weights) if served else ranker_float_model
+    context = [0.3] * ranker_spec.context_features
+
+    def score(tags):
+        item = {"dense": [0.1, 0.2, 0.3], "sparse": {"item_id": [5], "item_tags": tags}}
+        return forward(model, model_inputs(ranker_spec, [{"context": context, "items": [item]}]))
+
+    twice = score([17, 17])
+    torch.testing.assert_close(score({"ids": [17], "weights": [2.0]}), twice, atol=1e-6, rtol=0)
+    assert not torch.allclose(score([17]), twice)
+
+
+def test_ranker_context_changes_only_its_own_requests_scores(ranker_spec, ranker_weights):
+    """The context is computed once per request and broadcast to that request's candidates only."""
+    model = DLRMFactory(ranker_spec).inference_model(ranker_weights)
+    first = items_request(ranker_spec, 3, seed=1)
+    second = items_request(ranker_spec, 4, seed=2)
+    before = forward(model, model_inputs(ranker_spec, [first, second]))
+    after = forward(model, model_inputs(ranker_spec, [{**first, "context": [9.0] * 8}, second]))
+    assert not torch.allclose(before[:3], after[:3])
+    assert torch.equal(before[3:], after[3:])

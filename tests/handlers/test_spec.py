@@ -5,7 +5,8 @@ import yaml
 
 from handlers.errors import SpecError
 from handlers.spec import ModelSpec, OutOfRangePolicy, Pooling, WeightDtype
-from tests.conftest import CRITEO_SPEC, TINY_SPEC
+from handlers.spec import Architecture
+from tests.conftest import CRITEO_SPEC, RANKER_SPEC, TINY_SPEC
 
 
 def test_tiny_spec_loads_typed(tiny_spec):
@@ -24,9 +25,48 @@ def test_criteo_spec_has_criteo_shape():
     assert spec.out_of_range == OutOfRangePolicy.HASH
 
 
-def test_round_trips_through_yaml(tiny_spec, tmp_path):
-    tiny_spec.to_yaml(tmp_path / "spec.yaml")
-    assert ModelSpec.from_yaml(tmp_path / "spec.yaml") == tiny_spec
+def test_ranker_spec_loads_typed(ranker_spec):
+    assert ranker_spec.architecture == Architecture.CONTEXT_RANKER
+    assert ranker_spec.context_features == 8 and ranker_spec.context_mlp == (16, 8)
+    assert ranker_spec.weighted_ids
+    # No DLRM dot products here: tables may have dims of their own.
+    assert [t.dim for t in ranker_spec.tables] == [16, 8, 4]
+
+
+@pytest.mark.parametrize("spec_path", [TINY_SPEC, RANKER_SPEC])
+def test_round_trips_through_yaml(spec_path, tmp_path):
+    spec = ModelSpec.from_yaml(spec_path)
+    spec.to_yaml(tmp_path / "spec.yaml")
+    assert ModelSpec.from_yaml(tmp_path / "spec.yaml") == spec
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("context_features", "delete", "spec.context_features: required key is missing"),
+        ("context_mlp", [8, 0], "spec.context_mlp[1]: must be a positive integer"),
+        ("weighted_ids", "yes", "spec.weighted_ids: must be true or false"),
+        ("architecture", "two_tower", "spec.architecture: must be one of dlrm, context_ranker"),
+        ("tables", [{"name": "t", "rows": 9, "dim": 4, "features": ["f"], "pooling": "mean"}],
+         "tables[0].pooling: weighted_ids needs sum pooling"),
+    ],
+)
+def test_bad_ranker_spec_names_the_key(key, value, message):
+    raw = yaml.safe_load(RANKER_SPEC.read_text())
+    if value == "delete":
+        del raw[key]
+    else:
+        raw[key] = value
+    with pytest.raises(SpecError) as error:
+        ModelSpec.from_dict(raw)
+    assert message in str(error.value)
+
+
+def test_dlrm_spec_refuses_context_keys():
+    raw = yaml.safe_load(TINY_SPEC.read_text())
+    raw["context_features"] = 8
+    with pytest.raises(SpecError, match="spec: unknown key\\(s\\) 'context_features'"):
+        ModelSpec.from_dict(raw)
 
 
 def _raw():

@@ -114,11 +114,15 @@ def test_concurrent_multi_hot_requests_score_as_alone(server, tiny_spec):
         for i, (n_items, bag) in enumerate([(1, 0), (3, 7), (1, 20), (17, 2), (2, 50), (8, 1)] * 4)
     ]
     alone = [server.predict("tiny", r).json()["scores"] for r in requests_]
+    before = server.handler_counters("tiny")
     with ThreadPoolExecutor(max_workers=len(requests_)) as pool:
         together = list(pool.map(lambda r: server.predict("tiny", r), requests_))
+    formed = server.handler_counters("tiny").minus(before)
     for response, solo in zip(together, alone):
         assert response.status_code == 200, response.text
         assert response.json()["scores"] == pytest.approx(solo, abs=1e-6)
+    assert formed.requests == len(requests_)
+    assert max(formed.batches) > 1, f"TorchServe formed no batch of several requests: {formed}"
 
 
 def test_bad_requests_get_400_naming_the_field_and_spare_the_batch(server, reference, tiny_spec):
