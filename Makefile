@@ -1,12 +1,15 @@
 # Two entry points, each doing all set-up on a fresh machine:
 #   make demo   build the example archive, start TorchServe, register, score the example requests
 #   make test   run the whole test suite
+#   make bench SCENARIO=criteo   run a benchmark scenario (smoke, criteo); results in benchmarks/results/
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup java demo test clean
+SCENARIO ?= smoke
+
+.PHONY: setup java demo test bench clean
 
 setup: java $(STAMP)
 
@@ -29,7 +32,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/pip install --quiet --no-deps torchrec==1.8.0
 	$(BIN)/python -c "import torch, torchrec, fbgemm_gpu, ts; print('torch', torch.__version__, 'torchrec', torchrec.__version__)"
 	touch $@
@@ -39,6 +42,9 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -v tests
+
+bench: setup
+	$(BIN)/python -m benchmarks $(SCENARIO)
 
 clean:
 	rm -rf $(VENV) model_store/*.mar

@@ -1,0 +1,42 @@
+"""python -m benchmarks SCENARIO [--out DIR] [--trace WORKLOAD=FILE ...]
+
+Runs one scenario of ``benchmarks.scenarios`` against a local TorchServe and writes results.json,
+latency_vs_throughput.png, memory_by_table.png and summary.txt to DIR
+(default: benchmarks/results/SCENARIO).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from benchmarks.run import run
+from benchmarks.scenarios import REPO, SCENARIOS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--out", type=Path, help="output folder")
+    parser.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        metavar="WORKLOAD=FILE",
+        help="replay a JSON-lines trace (one request body per line) instead of generated traffic",
+    )
+    args = parser.parse_args(argv)
+    traces = {}
+    for item in args.trace:
+        workload, _, path = item.partition("=")
+        if not path:
+            parser.error(f"--trace {item!r}: expected WORKLOAD=FILE")
+        traces[workload] = Path(path)
+    out = args.out or REPO / "benchmarks" / "results" / args.scenario
+    run(SCENARIOS[args.scenario], out, traces)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The in-process ceiling: the same artifact, loaded as the worker loads it, driven without a server.
+
+``ScoringService.handle`` is timed on exactly what a worker does per TorchServe batch (decode k
+bodies, coalesce, forward, split, encode), at the batch sizes the server formed, on the same
+number of intra-op threads.
+"""
+
+from __future__ import annotations
+
+import time
+import zipfile
+from pathlib import Path
+
+from benchmarks.traffic import Traffic
+from handlers.service import ScoringService
+
+
+def load_artifact(archive: Path, unpack_to: Path) -> ScoringService:
+    with zipfile.ZipFile(archive) as z:
+        z.extractall(unpack_to)
+    return ScoringService.from_files(unpack_to / "spec.yaml", unpack_to / "weights.pt")
+
+
+def ceiling_items_per_s(
+    service: ScoringService, traffic: Traffic, requests_per_batch: int, min_time_s: float = 1.0
+) -> float:
+    """Items/s of ``service.handle`` over batches of ``requests_per_batch`` requests from ``traffic``."""
+    k, n = max(1, requests_per_batch), len(traffic.bodies)
+    starts = range(0, n, k)
+    batches = [[traffic.bodies[(s + j) % n] for j in range(k)] for s in starts]
+    items_per_batch = [sum(traffic.items[(s + j) % n] for j in range(k)) for s in starts]
+    service.handle(batches[0])  # warm-up: first-call allocations
+    items, calls = 0, 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < min_time_s or calls < 5:
+        b = calls % len(batches)
+        service.handle(batches[b])
+        items += items_per_batch[b]
+        calls += 1
+    return items / (time.perf_counter() - started)

@@ -1,0 +1,85 @@
+"""Memory of TorchServe's model workers (RSS and PSS) and of the served tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import psutil
+
+from handlers.factory import InferenceWeights
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerMemory:
+    workers: int
+    rss_mib: float  # summed over workers
+    pss_mib: float  # summed over workers: shared pages counted once in total
+
+
+def model_workers(server_pid: int) -> list[psutil.Process]:
+    """TorchServe's Python model workers under the frontend process."""
+    try:
+        children = psutil.Process(server_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    workers = []
+    for child in children:
+        try:
+            if any("model_service_worker" in part for part in child.cmdline()):
+                workers.append(child)
+        except psutil.Error:
+            continue
+    return workers
+
+
+def worker_memory(server_pid: int) -> WorkerMemory:
+    rss = pss = 0
+    workers = model_workers(server_pid)
+    for worker in workers:
+        try:
+            info = worker.memory_full_info()
+        except psutil.Error:
+            continue
+        rss += info.rss
+        pss += info.pss
+    return WorkerMemory(workers=len(workers), rss_mib=rss / 2**20, pss_mib=pss / 2**20)
+
+
+class PeakSampler:
+    """Samples the workers' summed RSS in the background (e.g. while a model loads)."""
+
+    def __init__(self, server_pid: int, interval_s: float = 0.05) -> None:
+        self.server_pid = server_pid
+        self.interval_s = interval_s
+        self.peak_rss_mib = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "PeakSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = 0
+            for worker in model_workers(self.server_pid):
+                try:
+                    rss += worker.memory_info().rss
+                except psutil.Error:
+                    continue
+            self.peak_rss_mib = max(self.peak_rss_mib, rss / 2**20)
+            time.sleep(self.interval_s)
+
+
+def table_memory_mib(weights: InferenceWeights) -> dict[str, float]:
+    """Bytes of each served table (rows plus per-row scale/bias), in MiB."""
+    return {
+        name: (rows.nbytes + (0 if scale_bias is None else scale_bias.nbytes)) / 2**20
+        for name, (rows, scale_bias) in weights.tables.items()
+    }

@@ -1,0 +1,175 @@
+"""One benchmark run: build the archive, serve it, replay traffic, measure the in-process ceiling.
+
+For each batch size of the scenario the archive is registered afresh (register-to-ready time and
+the workers' peak RSS while loading are recorded), every workload is replayed closed loop at each
+concurrency and open loop at each rate, and each level's formed batches are read from our
+handler's counters; the same artifact is then timed in-process at those batch sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from archive_tools.build import ServingConfig
+from archive_tools.local_server import HandlerCounters, LocalTorchServe
+from benchmarks import report
+from benchmarks.inprocess import ceiling_items_per_s, load_artifact
+from benchmarks.load import LoadResult, run_closed_loop, run_open_loop
+from benchmarks.memory import PeakSampler, table_memory_mib, worker_memory
+from benchmarks.scenarios import Scenario
+from benchmarks.traffic import Traffic
+from handlers.factory import InferenceWeights
+from handlers.spec import ModelSpec
+
+WARMUP_REQUESTS = 20
+
+
+def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None) -> dict:
+    """Runs ``scenario`` end to end; writes results.json, plots and summary.txt into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = ModelSpec.from_yaml(scenario.spec)
+    traffic = _traffic(scenario, spec, out_dir, traces or {})
+
+    build = _build_archive(scenario, out_dir / "model_store")
+    archive = Path(build["archive"])
+    ceiling_service = load_artifact(archive, out_dir / "unpacked")
+    torch.set_num_threads(ServingConfig.intra_op_threads)  # as the worker runs
+    tables = table_memory_mib(InferenceWeights.load(out_dir / "unpacked" / "weights.pt"))
+
+    results: dict = {
+        "scenario": scenario.name,
+        "spec": str(scenario.spec.relative_to(scenario.spec.parents[2])),
+        "machine": _machine(),
+        "build": build,
+        "tables_mib": tables,
+        "configs": [],
+    }
+    levels = sum(len(w.concurrencies) + len(w.open_rates) for w in scenario.workloads)
+    progress = tqdm(total=levels * len(scenario.batch_sizes), desc=scenario.name, unit="level")
+    ceilings: dict[tuple[str, int], float] = {}
+    with LocalTorchServe(model_store=archive.parent) as server:
+        for batch_size in scenario.batch_sizes:
+            config = _register(server, archive, spec.name, batch_size, scenario.max_batch_delay_ms)
+            for workload in scenario.workloads:
+                load = traffic[workload.name]
+                url = f"{server.inference_url}/predictions/{spec.name}"
+                headers = server.auth("inference")
+                run_closed_loop(url, headers, load, 4, 60.0, WARMUP_REQUESTS)
+                plan = [("closed", c) for c in workload.concurrencies]
+                plan += [("open", r) for r in workload.open_rates]
+                for mode, level in plan:
+                    progress.set_postfix_str(f"batch {batch_size}, {workload.name}, {mode} {level:g}")
+                    before = server.handler_counters(spec.name)
+                    if mode == "closed":
+                        result = run_closed_loop(
+                            url, headers, load, int(level), scenario.duration_s, scenario.max_requests
+                        )
+                    else:
+                        result = run_open_loop(url, headers, load, level, scenario.duration_s)
+                    formed = server.handler_counters(spec.name).minus(before)
+                    k = max(1, round(formed.mean_requests_per_batch))
+                    if (workload.name, k) not in ceilings:
+                        ceilings[(workload.name, k)] = ceiling_items_per_s(ceiling_service, load, k)
+                    config["runs"].append(
+                        _run_record(workload.name, result, formed, ceilings[(workload.name, k)])
+                    )
+                    progress.update()
+            config["worker_after_load"] = dataclasses.asdict(worker_memory(server.process.pid))
+            server.management("DELETE", f"/models/{spec.name}").raise_for_status()
+            results["configs"].append(config)
+    progress.close()
+    results["targets"] = report.evaluate_targets(scenario, results)
+    report.write(results, out_dir)
+    return results
+
+
+def _traffic(
+    scenario: Scenario, spec: ModelSpec, out_dir: Path, traces: dict[str, Path]
+) -> dict[str, Traffic]:
+    traffic = {}
+    for seed, workload in enumerate(scenario.workloads):
+        if workload.name in traces:
+            traffic[workload.name] = Traffic.read_trace(traces[workload.name])
+        else:
+            traffic[workload.name] = workload.traffic.generate(spec, scenario.pool_requests, seed)
+        traffic[workload.name].write_trace(out_dir / "traces" / f"{workload.name}.jsonl")
+    return traffic
+
+
+def _build_archive(scenario: Scenario, model_store: Path) -> dict:
+    """Builds in a child process, so that its peak memory is the child's own maximum RSS."""
+    started = time.perf_counter()
+    subprocess.run(
+        [
+            sys.executable, "-m", "archive_tools.build",
+            "--spec", str(scenario.spec),
+            "--model-store", str(model_store),
+            "--max-batch-delay", str(scenario.max_batch_delay_ms),
+        ],
+        check=True,
+    )
+    seconds = time.perf_counter() - started
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    archive = model_store / f"{ModelSpec.from_yaml(scenario.spec).name}.mar"
+    return {
+        "archive": str(archive),
+        "seconds": seconds,
+        "peak_rss_mib": peak_kib / 1024,
+        "archive_mib": archive.stat().st_size / 2**20,
+    }
+
+
+def _register(
+    server: LocalTorchServe, archive: Path, name: str, batch_size: int, delay_ms: int
+) -> dict:
+    with PeakSampler(server.process.pid) as sampler:
+        started = time.perf_counter()
+        response = server.register(
+            archive.name, batch_size=batch_size, max_batch_delay=delay_ms, initial_workers=1
+        )
+        register_s = time.perf_counter() - started
+    response.raise_for_status()
+    described = server.management("GET", f"/models/{name}").json()[0]
+    if described["batchSize"] != batch_size:
+        raise RuntimeError(f"registered with batch_size {batch_size}, TorchServe uses {described['batchSize']}")
+    return {
+        "batch_size": batch_size,
+        "max_batch_delay_ms": delay_ms,
+        "register_s": register_s,
+        "load_peak_rss_mib": sampler.peak_rss_mib,
+        "worker_loaded": dataclasses.asdict(worker_memory(server.process.pid)),
+        "runs": [],
+    }
+
+
+def _run_record(workload: str, result: LoadResult, formed: HandlerCounters, ceiling: float) -> dict:
+    return {
+        "workload": workload,
+        **result.to_dict(),
+        "formed": {
+            "batches": {str(k): v for k, v in sorted(formed.batches.items())},
+            "mean_requests_per_batch": formed.mean_requests_per_batch,
+            "mean_items_per_forward": formed.mean_items_per_forward,
+        },
+        "ceiling_items_per_s": ceiling,
+        "efficiency": result.items_per_s / ceiling,
+    }
+
+
+def _machine() -> dict:
+    return {
+        "cpus": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }

@@ -1,0 +1,94 @@
+"""Production-like traffic from a spec, or replayed from a JSON-lines trace.
+
+Ids follow a Zipf-like law per feature (a few hot ids, a long tail), scattered over the table by a
+multiplicative hash so the hot rows are not all at the start; bag lengths are Poisson around a mean
+(0 = the feature is missing); a request holds one item or a context with n candidates.
+
+    traffic = TrafficModel(items_per_request=100).generate(spec, num_requests=500, seed=0)
+    traffic.write_trace(Path("trace.jsonl"))          # one request body per line
+    Traffic.read_trace(Path("trace.jsonl"))           # the same bodies back
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from handlers.spec import Architecture, ModelSpec
+
+_GOLDEN = 2654435761  # Knuth's multiplicative hash constant: scatters hot ids over the table
+
+
+@dataclasses.dataclass(frozen=True)
+class TrafficModel:
+    """``items_per_request``: candidates per request (1: one item). ``candidate_features``: for a
+    DLRM, the sparse features that vary per candidate (the rest, and the dense features, are the
+    shared user context repeated in each item); a context ranker sends its context once."""
+
+    items_per_request: int = 1
+    zipf_exponent: float = 1.1
+    mean_bag: float = 1.0
+    candidate_features: tuple[str, ...] = ()
+
+    def generate(self, spec: ModelSpec, num_requests: int, seed: int) -> "Traffic":
+        rng = np.random.default_rng(seed)
+        bodies = [orjson.dumps(self._request(spec, rng)) for _ in range(num_requests)]
+        return Traffic(bodies=bodies, items=[self.items_per_request] * num_requests)
+
+    def _request(self, spec: ModelSpec, rng: np.random.Generator) -> dict:
+        n = self.items_per_request
+        ranker = spec.architecture == Architecture.CONTEXT_RANKER
+        # A DLRM has no context input: a user's features repeat in each of its candidates.
+        varying = set(spec.feature_names) if n == 1 or ranker else set(self.candidate_features)
+        shared = {f: self._bag(rows, rng) for f, rows in zip(spec.feature_names, spec.feature_rows)}
+        user_dense = self._dense(spec.dense_features, rng)
+        items = []
+        for _ in range(n):
+            sparse = {
+                f: self._bag(rows, rng) if f in varying else shared[f]
+                for f, rows in zip(spec.feature_names, spec.feature_rows)
+            }
+            dense = self._dense(spec.dense_features, rng) if ranker else user_dense
+            items.append({"dense": dense, "sparse": sparse})
+        request: dict = {"items": items}
+        if ranker:
+            request["context"] = self._dense(spec.context_features, rng)
+        return request
+
+    @staticmethod
+    def _dense(width: int, rng: np.random.Generator) -> list[float]:
+        return rng.normal(size=width).round(3).tolist()
+
+    def _bag(self, rows: int, rng: np.random.Generator) -> list[int]:
+        length = int(rng.poisson(self.mean_bag))
+        ranks = rng.zipf(self.zipf_exponent, size=length) - 1
+        return ((ranks * _GOLDEN) % rows).tolist()
+
+
+@dataclasses.dataclass
+class Traffic:
+    """Encoded request bodies and their item counts, in send order (cycled by the load generator)."""
+
+    bodies: list[bytes]
+    items: list[int]
+
+    def write_trace(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"".join(body + b"\n" for body in self.bodies))
+
+    @classmethod
+    def read_trace(cls, path: Path) -> "Traffic":
+        bodies = [line for line in path.read_bytes().splitlines() if line.strip()]
+        items = []
+        for i, body in enumerate(bodies):
+            request = orjson.loads(body)
+            if "items" in request:
+                items.append(len(request["items"]))
+            elif "float_features" in request:
+                items.append(len(request["float_features"]))
+            else:
+                raise ValueError(f"{path}:{i + 1}: neither 'items' nor 'float_features'")
+        return cls(bodies=bodies, items=items)

@@ -1,0 +1,32 @@
+"""CI runs the benchmark's ``smoke`` scenario end to end: build, real TorchServe, closed and open
+loop, handler counters, in-process ceiling, JSON, plots and summary."""
+
+import subprocess
+import sys
+
+import orjson
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+
+def test_smoke_scenario_runs_and_reports(tmp_path):
+    out = tmp_path / "smoke"
+    subprocess.run([sys.executable, "-m", "benchmarks", "smoke", "--out", str(out)], cwd=REPO, check=True, timeout=600)
+    results = orjson.loads((out / "results.json").read_bytes())
+    assert {c["batch_size"] for c in results["configs"]} == {1, 8}
+    for config in results["configs"]:
+        assert config["register_s"] > 0 and config["worker_loaded"]["workers"] == 1
+        for run in config["runs"]:
+            assert set(run["statuses"]) == {"200"}, run["statuses"]
+            assert run["items_per_s"] > 0 and run["ceiling_items_per_s"] > 0
+            assert run["latency_ms"]["p50"] <= run["latency_ms"]["p99"]
+    batched = next(c for c in results["configs"] if c["batch_size"] == 8)
+    closed_8 = next(r for r in batched["runs"] if r["mode"] == "closed" and r["level"] == 8)
+    assert closed_8["formed"]["mean_requests_per_batch"] > 1, "8 concurrent senders should share batches"
+    assert set(results["tables_mib"]) == {"t_user", "t_item", "t_category", "t_hour"}
+    for name in ("latency_vs_throughput.png", "memory_by_table.png", "summary.txt"):
+        assert (out / name).stat().st_size > 0
+    assert (out / "traces" / "one-item.jsonl").exists()
