@@ -109,7 +109,7 @@ def build_archive(
         staging = Path(tmp) / "extra"
         shutil.copytree(HANDLERS_DIR, staging / "handlers", ignore=shutil.ignore_patterns("__pycache__"))
         spec.to_yaml(staging / "spec.yaml")
-        weights.save(staging / "weights.pt")
+        factory.save_weights(weights, staging / "weights.pt")
         weights_bytes = (staging / "weights.pt").stat().st_size
         config_path = Path(tmp) / "model-config.yaml"
         config_path.write_text(yaml.safe_dump(serving.model_config(weights_bytes), sort_keys=False))

@@ -28,7 +28,7 @@ from benchmarks.load import LoadResult, run_closed_loop, run_open_loop
 from benchmarks.memory import PeakSampler, table_memory_mib, worker_memory
 from benchmarks.scenarios import Scenario
 from benchmarks.traffic import Traffic
-from handlers.factory import InferenceWeights
+from handlers.factory import DLRMFactory
 from handlers.spec import ModelSpec
 
 WARMUP_REQUESTS = 20
@@ -44,7 +44,7 @@ def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None
     archive = Path(build["archive"])
     ceiling_service = load_artifact(archive, out_dir / "unpacked")
     torch.set_num_threads(ServingConfig.intra_op_threads)  # as the worker runs
-    tables = table_memory_mib(InferenceWeights.load(out_dir / "unpacked" / "weights.pt"))
+    tables = table_memory_mib(DLRMFactory(spec).load_weights(out_dir / "unpacked" / "weights.pt"))
 
     results: dict = {
         "scenario": scenario.name,

@@ -14,9 +14,11 @@ unsharded one does.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -27,6 +29,7 @@ from handlers.spec import ModelSpec, Pooling, ShardingType, TableSpec, WeightDty
 
 # Importing fbgemm_gpu registers the TBE operators that TorchRec's quantized modules call.
 import fbgemm_gpu  # noqa: F401  isort: skip
+from fbgemm_gpu.split_embedding_configs import SparseType  # isort: skip
 from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (  # isort: skip
     IntNBitTableBatchedEmbeddingBagsCodegen,
 )
@@ -39,6 +42,7 @@ from torchrec.modules.embedding_configs import DataType, PoolingType  # isort: s
 from torchrec.quant.embedding_modules import (  # isort: skip
     EmbeddingBagCollection as QuantEmbeddingBagCollection,
 )
+from torchrec.tensor_types import UInt4Tensor  # isort: skip
 
 _TORCHREC_DTYPE = {
     WeightDtype.FP32: DataType.FP32,
@@ -55,37 +59,26 @@ _QUANT_DTYPE = {
 _POOLING = {Pooling.SUM: PoolingType.SUM, Pooling.MEAN: PoolingType.MEAN}
 
 
+# FBGEMM pads each TBE row (scale/bias + packed values) to this many bytes. TorchRec's default, 16,
+# turns a 68-byte int8 row of dim 64 into 80 bytes; 4 keeps the rows packed and the kernels exact.
+ROW_ALIGNMENT = 4
+
+
 @dataclasses.dataclass
 class InferenceWeights:
     """Everything the served model needs, in its served dtypes.
 
     ``tables[name] = (rows, scale_bias)``: the TBE rows ``[R, packed bytes or dim]`` and, for int8/int4,
-    the fp16 scale and bias per row ``[R, 4]`` (``None`` for fp32/fp16 tables).
+    the fp16 scale and bias per row as bytes ``[R, 4]`` (``None`` for fp32/fp16 tables).
     ``dense``: the float parameters of the bottom, interaction and top parts.
+    ``buffers``: when the tables are views into FBGEMM's own weight layout (one flat uint8 buffer per
+    table-batched module, as saved in ``weights.pt``), those buffers; an unsharded CPU model then
+    runs on them directly, without a copy.
     """
 
     tables: dict[str, tuple[torch.Tensor, torch.Tensor | None]]
     dense: dict[str, torch.Tensor]
-
-    def save(self, path: str | Path) -> None:
-        flat: dict[str, torch.Tensor] = {f"dense.{k}": v for k, v in self.dense.items()}
-        for name, (rows, scale_bias) in self.tables.items():
-            flat[f"tables.{name}.rows"] = rows.contiguous()
-            if scale_bias is not None:
-                flat[f"tables.{name}.scale_bias"] = scale_bias.contiguous()
-        torch.save(flat, path)
-
-    @classmethod
-    def load(cls, path: str | Path) -> "InferenceWeights":
-        """Memory-maps the file: loading costs page cache, not a second copy in anonymous memory."""
-        flat = torch.load(path, mmap=True, weights_only=True)
-        dense = {k[len("dense.") :]: v for k, v in flat.items() if k.startswith("dense.")}
-        tables: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        for key, value in flat.items():
-            if key.startswith("tables.") and key.endswith(".rows"):
-                name = key[len("tables.") : -len(".rows")]
-                tables[name] = (value, flat.get(f"tables.{name}.scale_bias"))
-        return cls(tables=tables, dense=dense)
+    buffers: list[torch.Tensor] | None = None
 
 
 class DLRMFactory:
@@ -177,12 +170,56 @@ class DLRMFactory:
                 tbe.embedding_specs, tbe.split_embedding_weights()
             ):
                 tables[name] = (rows.clone(), None if scale_bias is None else scale_bias.clone())
-        dense = {
-            k: v.detach().clone()
-            for k, v in float_model.state_dict().items()
-            if not k.startswith(EBC_PATH + ".")
-        }
-        return InferenceWeights(tables=tables, dense=dense)
+        return InferenceWeights(tables=tables, dense=_dense_state(float_model))
+
+    def random_weights(self, seed: int) -> InferenceWeights:
+        """Seeded random weights created straight in the served layout: no float table ever exists.
+
+        For demos and benchmarks of models too large to hold in float (Criteo 1TB is 45 GB in fp32):
+        peak memory is the quantized tables plus the dense layers. Each table dequantizes to
+        uniform values in [-1/sqrt(rows), 1/sqrt(rows)], the scale of TorchRec's default init.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        model = self._quant_model("cpu")
+        buffers = []
+        for tbe in _tbes(model):
+            buffer = torch.empty(tbe.host_size, dtype=torch.uint8)
+            _attach(tbe, buffer)
+            buffers.append(buffer)
+            buffer[-tbe.row_alignment :] = 0  # at most the last row's padding; rows are filled below
+            for (_, _, _, sparse_type, *_), (values, scale_bias) in zip(
+                tbe.embedding_specs, tbe.split_embedding_weights()
+            ):
+                _fill_random_table(values, scale_bias, sparse_type, generator)
+        _refresh_table_buffers(model)
+        torch.manual_seed(seed)  # the dense layers' own init
+        dense_model = build_model(self.spec, self._float_ebc("meta"), "cpu")
+        return InferenceWeights(_table_views(model), _dense_state(dense_model), buffers)
+
+    # -- the weights file ----------------------------------------------------------------------
+
+    def save_weights(self, weights: InferenceWeights, path: str | Path) -> None:
+        """One flat buffer per TBE, in FBGEMM's layout, plus the dense state: ``weights.pt``."""
+        buffers = weights.buffers if weights.buffers is not None else self._pack(weights.tables)
+        flat = {f"tbe.{i}": b for i, b in enumerate(buffers)}
+        flat.update({f"dense.{k}": v for k, v in weights.dense.items()})
+        torch.save(flat, path)
+
+    def load_weights(self, path: str | Path) -> InferenceWeights:
+        """Memory-maps ``weights.pt``: the tables cost page cache, shared by every process that maps
+        the file, and no anonymous copy."""
+        flat = torch.load(path, mmap=True, weights_only=True)
+        model = self._quant_model("cpu")
+        tbes = _tbes(model)
+        buffers = [flat.get(f"tbe.{i}") for i in range(len(tbes))]
+        if any(b is None for b in buffers) or f"tbe.{len(tbes)}" in flat:
+            stored = sorted(k for k in flat if k.startswith("tbe."))
+            raise CheckpointError(f"{path}: holds {stored}, the spec needs {len(tbes)} TBE buffers")
+        for tbe, buffer in zip(tbes, buffers):
+            _attach(tbe, buffer)
+        _refresh_table_buffers(model)
+        dense = {k[len("dense.") :]: v for k, v in flat.items() if k.startswith("dense.")}
+        return InferenceWeights(_table_views(model), dense, buffers)  # type: ignore[arg-type]
 
     def inference_model(self, weights: InferenceWeights) -> nn.Module:
         """The served model: quantized TBE tables (sharded per the spec) + float dense layers.
@@ -190,17 +227,22 @@ class DLRMFactory:
         Tables are allocated directly in their quantized dtype; the float tables never exist.
         """
         device = self.spec.sharding.device
-        # The float EBC only gives the model its shapes; on ``meta`` it allocates nothing.
-        model = build_model(self.spec, self._float_ebc("meta"), device)
-        model.sparse_arch.embedding_bag_collection = QuantEmbeddingBagCollection(
-            tables=self.table_configs(with_dtypes=True),
-            is_weighted=self.spec.weighted_ids,
-            device=torch.device(device),
-            output_dtype=torch.float,
-            register_tbes=True,
-        )
-        if self.spec.is_sharded:
-            model = self._shard(model)
+        model = self._quant_model(device)
+        zero_copy = weights.buffers is not None and device == "cpu" and not self.spec.is_sharded
+        if zero_copy:
+            tbes = _tbes(model)
+            if len(tbes) != len(weights.buffers):  # type: ignore[arg-type]
+                raise CheckpointError(
+                    f"inference weights hold {len(weights.buffers)} TBE buffers, the spec needs {len(tbes)}"  # type: ignore[arg-type]
+                )
+            for tbe, buffer in zip(tbes, weights.buffers):  # type: ignore[arg-type]
+                _attach(tbe, buffer)
+        elif self.spec.is_sharded:
+            model = self._shard(model)  # the sharded modules allocate their own weights
+        else:
+            for tbe in _tbes(model):
+                _allocate(tbe)
+        _refresh_table_buffers(model)
         missing, unexpected = model.load_state_dict(weights.dense, strict=False)
         dense_missing = [k for k in missing if not k.startswith(EBC_PATH + ".")]
         if dense_missing or unexpected:
@@ -208,10 +250,38 @@ class DLRMFactory:
                 f"inference weights do not match the spec: missing {dense_missing}, "
                 f"unexpected {unexpected}"
             )
-        _copy_table_rows(model, weights.tables, {t.name: t.rows for t in self.spec.tables})
+        if not zero_copy:
+            _copy_table_rows(model, weights.tables, {t.name: t.rows for t in self.spec.tables})
         return model.eval()
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _quant_model(self, device: str) -> nn.Module:
+        """The model with quantized tables whose weight buffers are not allocated yet."""
+        # The float EBC only gives the model its shapes; on ``meta`` it allocates nothing.
+        model = build_model(self.spec, self._float_ebc("meta"), device)
+        with _tbe_weights_deferred():
+            model.sparse_arch.embedding_bag_collection = QuantEmbeddingBagCollection(
+                tables=self.table_configs(with_dtypes=True),
+                is_weighted=self.spec.weighted_ids,
+                device=torch.device(device),
+                output_dtype=torch.float,
+                register_tbes=True,
+                row_alignment=ROW_ALIGNMENT,
+            )
+        return model
+
+    def _pack(self, tables: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+        """Per-table rows -> FBGEMM's flat TBE buffers (padding zeroed, so files are reproducible)."""
+        model = self._quant_model("cpu")
+        buffers = []
+        for tbe in _tbes(model):
+            buffer = torch.zeros(tbe.host_size, dtype=torch.uint8)
+            _attach(tbe, buffer)
+            buffers.append(buffer)
+        _refresh_table_buffers(model)
+        _copy_table_rows(model, tables, {t.name: t.rows for t in self.spec.tables})
+        return buffers
 
     def _float_ebc(self, device: str) -> EmbeddingBagCollection:
         return EmbeddingBagCollection(
@@ -253,6 +323,105 @@ def _allowed_sharding(table: TableSpec) -> list[ShardingType]:
     if table.pooling == Pooling.MEAN:
         return [ShardingType.TABLE_WISE]
     return [ShardingType.TABLE_WISE, ShardingType.ROW_WISE]
+
+
+@contextlib.contextmanager
+def _tbe_weights_deferred() -> Iterator[None]:
+    """TBEs built inside this block get a weight buffer on ``meta``: the right size, no memory.
+
+    TorchRec builds each FBGEMM TBE and at once allocates and zero-fills its whole weight buffer.
+    For tables that come from a memory-mapped file, or are filled in place, that is a wasted second
+    copy (12 GB for Criteo 1TB in int8). ``_attach`` or ``_allocate`` gives them real weights.
+    """
+    original = IntNBitTableBatchedEmbeddingBagsCodegen.initialize_weights
+
+    def on_meta(tbe: IntNBitTableBatchedEmbeddingBagsCodegen) -> None:
+        tbe.weights_host = torch.empty(tbe.host_size, dtype=torch.uint8, device="meta")
+        tbe.weights_dev = torch.empty(tbe.dev_size, dtype=torch.uint8, device="meta")
+        tbe.weight_initialized = True
+
+    IntNBitTableBatchedEmbeddingBagsCodegen.initialize_weights = on_meta
+    try:
+        yield
+    finally:
+        IntNBitTableBatchedEmbeddingBagsCodegen.initialize_weights = original
+
+
+def _attach(tbe: IntNBitTableBatchedEmbeddingBagsCodegen, buffer: torch.Tensor) -> None:
+    """Makes ``buffer`` (flat uint8, FBGEMM's layout for this TBE) the TBE's host weights, uncopied."""
+    if tbe.dev_size or tbe.uvm_size:
+        raise CheckpointError("only CPU-resident TBE weights can be attached without a copy")
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != tbe.host_size:
+        raise CheckpointError(
+            f"TBE buffer for tables {[s[0] for s in tbe.embedding_specs]} must be uint8 "
+            f"[{tbe.host_size}], got {buffer.dtype} {list(buffer.shape)}"
+        )
+    tbe.weights_host = buffer
+    tbe.initialize_logical_weights_placements_and_offsets()  # what FBGEMM's allocation also sets
+
+
+def _allocate(tbe: IntNBitTableBatchedEmbeddingBagsCodegen) -> None:
+    """Gives a deferred TBE its own zeroed weights on its device."""
+    tbe.weight_initialized = False
+    tbe.initialize_weights()
+
+
+def _refresh_table_buffers(model: nn.Module) -> None:
+    """Points the quantized EBC's per-table ``weight`` buffers (what ``state_dict`` shows) at the
+    TBEs' current weights; TorchRec registers them as views once, at construction."""
+    for qebc in model.modules():
+        if not isinstance(qebc, QuantEmbeddingBagCollection):
+            continue
+        for tbe in qebc._emb_modules:  # TorchRec keeps no public handle on them
+            for (name, *_), (rows, *_) in zip(
+                tbe.embedding_specs, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)
+            ):
+                table = qebc.embedding_bags[name]
+                table.weight = UInt4Tensor(rows) if isinstance(table.weight, UInt4Tensor) else rows
+
+
+def _table_views(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    return {
+        name: (rows, scale_bias)
+        for tbe in _tbes(model)
+        for (name, *_), (rows, scale_bias) in zip(tbe.embedding_specs, tbe.split_embedding_weights())
+    }
+
+
+def _dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        k: v.detach().clone()
+        for k, v in model.state_dict().items()
+        if not k.startswith(EBC_PATH + ".")
+    }
+
+
+def _fill_random_table(
+    values: torch.Tensor,
+    scale_bias: torch.Tensor | None,
+    sparse_type: SparseType,
+    generator: torch.Generator,
+) -> None:
+    """Random rows of one table, dequantizing to uniform [-a, a] with a = 1/sqrt(rows).
+
+    ``values``: uint8 [R, row bytes]; ``scale_bias``: uint8 [R, 4] (fp16 scale, then fp16 bias)
+    for int8/int4, None for fp16/fp32. Filled in chunks of 1M rows to bound temporary memory.
+    """
+    rows = values.shape[0]
+    bound = rows**-0.5
+    chunk = 1 << 20
+    for start in range(0, rows, chunk):
+        part = values[start : min(rows, start + chunk)]
+        if scale_bias is None:  # fp16 / fp32 rows hold the values themselves
+            floats = part.view(torch.float16 if sparse_type == SparseType.FP16 else torch.float32)
+            floats.copy_(torch.rand(floats.shape, generator=generator) * 2 * bound - bound)
+        else:  # int8: one value per byte; int4: two per byte, both uniform in random bytes
+            part.copy_(torch.randint(0, 256, part.shape, dtype=torch.uint8, generator=generator))
+    if scale_bias is not None:
+        levels = 255 if sparse_type == SparseType.INT8 else 15
+        params = scale_bias.view(torch.float16)  # [R, 2]
+        params[:, 0] = 2 * bound / levels
+        params[:, 1] = -bound
 
 
 def _tbes(model: nn.Module) -> list[IntNBitTableBatchedEmbeddingBagsCodegen]:

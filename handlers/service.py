@@ -19,7 +19,7 @@ from torch import nn
 from handlers.batching import RequestInputs, chunk_by_items, coalesce, split_outputs
 from handlers.decode import DecodedRequest, RequestDecoder
 from handlers.errors import InternalError, ServingError
-from handlers.factory import DLRMFactory, InferenceWeights
+from handlers.factory import DLRMFactory
 from handlers.models import input_tags
 from handlers.spec import ModelSpec
 
@@ -47,7 +47,8 @@ class ScoringService:
     @classmethod
     def from_files(cls, spec_path: str | Path, weights_path: str | Path) -> "ScoringService":
         spec = ModelSpec.from_yaml(spec_path)
-        model = DLRMFactory(spec).inference_model(InferenceWeights.load(weights_path))
+        factory = DLRMFactory(spec)
+        model = factory.inference_model(factory.load_weights(weights_path))
         return cls(spec, model)
 
     def handle(self, payloads: Sequence[Any]) -> list[Response]:

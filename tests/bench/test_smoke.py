@@ -14,7 +14,11 @@ pytestmark = pytest.mark.integration
 
 def test_smoke_scenario_runs_and_reports(tmp_path):
     out = tmp_path / "smoke"
-    subprocess.run([sys.executable, "-m", "benchmarks", "smoke", "--out", str(out)], cwd=REPO, check=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "smoke", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
     results = orjson.loads((out / "results.json").read_bytes())
     assert {c["batch_size"] for c in results["configs"]} == {1, 8}
     for config in results["configs"]:

@@ -7,7 +7,8 @@ from torchrec.inference.modules import quantize_inference_model
 
 from archive_tools.synthetic import items_request
 from handlers.errors import CheckpointError
-from handlers.factory import DLRMFactory, InferenceWeights
+from handlers.factory import DLRMFactory, InferenceWeights, _tbes
+from torchrec import KeyedJaggedTensor
 from handlers.spec import CheckpointMapping, Pooling, ShardingType, WeightDtype
 from tests.helpers import forward, model_inputs, sharded, with_tables
 
@@ -78,9 +79,9 @@ def test_sharded_equals_unsharded(tiny_spec, world_size, sharding):
 
 
 def test_weights_round_trip_through_file(tiny_spec, tiny_weights, tmp_path):
-    tiny_weights.save(tmp_path / "weights.pt")
-    loaded = InferenceWeights.load(tmp_path / "weights.pt")
     factory = DLRMFactory(tiny_spec)
+    factory.save_weights(tiny_weights, tmp_path / "weights.pt")
+    loaded = factory.load_weights(tmp_path / "weights.pt")
     inputs = model_inputs(tiny_spec, [items_request(tiny_spec, 16, seed=6)])
     assert torch.equal(
         forward(factory.inference_model(loaded), inputs),
@@ -178,3 +179,64 @@ def test_ranker_context_changes_only_its_own_requests_scores(ranker_spec, ranker
     after = forward(model, model_inputs(ranker_spec, [{**first, "context": [9.0] * 8}, second]))
     assert not torch.allclose(before[:3], after[:3])
     assert torch.equal(before[3:], after[3:])
+
+
+# -- the weights file: FBGEMM's own layout, memory-mapped, run without a copy -----------------
+
+
+def test_loaded_tables_are_the_mapped_file_not_a_copy(tiny_spec, tiny_weights, tmp_path):
+    factory = DLRMFactory(tiny_spec)
+    factory.save_weights(tiny_weights, tmp_path / "weights.pt")
+    loaded = factory.load_weights(tmp_path / "weights.pt")
+    model = factory.inference_model(loaded)
+    hosts = [tbe.weights_host for tbe in _tbes(model)]
+    assert [h.data_ptr() for h in hosts] == [b.data_ptr() for b in loaded.buffers]
+    assert all(not h.untyped_storage().resizable() for h in hosts), "mmapped storage is not resizable"
+    # what state_dict shows is the same memory
+    state = model.state_dict()
+    user = state["sparse_arch.embedding_bag_collection.embedding_bags.t_user.weight"]
+    assert hosts[0].data_ptr() <= user.data_ptr() < hosts[0].data_ptr() + hosts[0].numel()
+
+
+def test_rows_are_packed_to_4_bytes(tiny_spec, tiny_weights):
+    """int8 dim 8: 4 bytes of scale/bias + 8 values = 12 bytes a row, not padded to 16; FBGEMM only
+    starts each table on a 64-byte cache line."""
+    spec = with_tables(tiny_spec, weight_dtype=WeightDtype.INT8)
+    model = DLRMFactory(spec).inference_model(DLRMFactory(spec).quantize(DLRMFactory(spec).float_model(seed=0)))
+    packed = 12 * sum(t.rows for t in spec.tables)
+    assert packed <= sum(tbe.host_size for tbe in _tbes(model)) < packed + 64 * len(spec.tables)
+
+
+@pytest.mark.parametrize("dtype", list(WeightDtype))
+def test_random_weights_dequantize_within_init_bound(tiny_spec, dtype, tmp_path):
+    """Tables created straight in their served dtype; a one-id bag returns its dequantized row."""
+    spec = with_tables(tiny_spec, weight_dtype=dtype, pooling=Pooling.SUM)
+    factory = DLRMFactory(spec)
+    weights = factory.random_weights(seed=3)
+    factory.save_weights(weights, tmp_path / "weights.pt")
+    model = factory.inference_model(factory.load_weights(tmp_path / "weights.pt"))
+    ebc = model.sparse_arch.embedding_bag_collection
+    features = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(spec.feature_names),
+        values=torch.tensor([rows - 1 for rows in spec.feature_rows]),
+        lengths=torch.ones(len(spec.feature_names), dtype=torch.int64),
+    )
+    pooled = ebc(features).to_dict()
+    for table in spec.tables:
+        row = pooled[table.features[0]]
+        bound = table.rows**-0.5
+        assert row.abs().max() <= bound * 1.001 and row.abs().max() > bound / 4, (table.name, row)
+    assert torch.isfinite(forward(model, model_inputs(spec, [items_request(spec, 8, seed=1)]))).all()
+
+
+def test_random_weights_never_build_float_tables(tiny_spec, monkeypatch):
+    original = torch.nn.EmbeddingBag.reset_parameters
+    devices = []
+
+    def recording(bag):
+        devices.append(bag.weight.device.type)
+        original(bag)
+
+    monkeypatch.setattr(torch.nn.EmbeddingBag, "reset_parameters", recording)
+    DLRMFactory(tiny_spec).random_weights(seed=0)
+    assert devices and set(devices) == {"meta"}, "float tables may only exist as shapes on meta"
