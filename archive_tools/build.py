@@ -2,17 +2,25 @@
 
     python -m archive_tools.build --spec config/models/tiny.yaml --seed 0
     python -m archive_tools.build --spec config/models/criteo.yaml --checkpoint trained.pt
+    python -m archive_tools.build --spec config/models/criteo_1tb.yaml --init quantized \
+        --archive-format no-archive
 
-Stages: spec -> float DLRM (checkpoint, or seeded random weights for demos) -> per-table quantization
+Stages: spec -> float model (checkpoint, or seeded random weights for demos) -> per-table quantization
 (FBGEMM TBE) -> reload exactly as the handler will and compare its scores with the float model's ->
 package handler, ``handlers`` package, spec, weights and ``model-config.yaml`` with
 ``torch-model-archiver``.
+
+``--init quantized`` skips the float model: seeded random tables are created straight in their
+served dtypes (for models too large to hold in float), and verification checks that the reloaded
+artifact scores exactly as the model that was built. ``--archive-format no-archive`` writes a folder
+instead of a zipped ``.mar``: nothing to compress at build or unpack at register, for models of many GB.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import resource
 import shutil
 import subprocess
 import sys
@@ -73,6 +81,9 @@ class VerificationReport:
         return self.max_abs_score_diff <= self.bound
 
 
+ARCHIVE_FORMATS = ("default", "no-archive")
+
+
 def build_archive(
     spec_path: Path,
     *,
@@ -84,8 +95,13 @@ def build_archive(
     serving: ServingConfig,
     max_score_diff: float,
     verify_items: int = 256,
+    quantized_init: bool = False,
+    archive_format: str = "default",
 ) -> Path:
-    """Runs every stage and returns the path of the written ``.mar``; raises if verification fails."""
+    """Runs every stage and returns the path of the written ``.mar`` (or folder, for
+    ``no-archive``); raises if verification fails."""
+    if quantized_init and checkpoint is not None:
+        raise ValueError("quantized_init creates random tables; it cannot start from a checkpoint")
     stages = tqdm(total=5, desc="archive", unit="stage", file=sys.stderr)
     started = time.perf_counter()
 
@@ -95,29 +111,36 @@ def build_archive(
     factory = DLRMFactory(spec)
     stages.update()
 
-    stages.set_postfix_str("float model")
-    float_model = factory.float_model(seed=seed)
-    if checkpoint is not None:
-        factory.load_checkpoint(float_model, DLRMFactory.read_checkpoint(checkpoint))
-    stages.update()
-
-    stages.set_postfix_str("quantize")
-    weights = factory.quantize(float_model)
-    stages.update()
+    if quantized_init:
+        stages.set_postfix_str("random quantized tables")
+        weights = factory.random_weights(seed)
+        reference = factory.inference_model(weights)  # runs on the same buffers, no copy
+        stages.update(2)
+    else:
+        stages.set_postfix_str("float model")
+        reference = factory.float_model(seed=seed)
+        if checkpoint is not None:
+            factory.load_checkpoint(reference, DLRMFactory.read_checkpoint(checkpoint))
+        stages.update()
+        stages.set_postfix_str("quantize")
+        weights = factory.quantize(reference)
+        stages.update()
 
     with tempfile.TemporaryDirectory(prefix=f"{name}-archive-") as tmp:
         staging = Path(tmp) / "extra"
         shutil.copytree(HANDLERS_DIR, staging / "handlers", ignore=shutil.ignore_patterns("__pycache__"))
         spec.to_yaml(staging / "spec.yaml")
         factory.save_weights(weights, staging / "weights.pt")
+        del weights  # a file-backed copy exists now; the reference model keeps what it needs
         weights_bytes = (staging / "weights.pt").stat().st_size
         config_path = Path(tmp) / "model-config.yaml"
         config_path.write_text(yaml.safe_dump(serving.model_config(weights_bytes), sort_keys=False))
 
         stages.set_postfix_str("verify")
-        report = verify(spec, float_model, staging, verify_items, max_score_diff, seed)
+        report = verify(spec, reference, staging, verify_items, max_score_diff, seed)
+        against = "the built model" if quantized_init else "float"
         tqdm.write(
-            f"verification: {report.items} items, max |score - float score| = "
+            f"verification: {report.items} items, max |score - {against} score| = "
             f"{report.max_abs_score_diff:.2e} (bound {report.bound:.0e}): "
             + ("ok" if report.passed else "FAILED"),
             file=sys.stderr,
@@ -125,13 +148,16 @@ def build_archive(
         if not report.passed:
             stages.close()
             raise RuntimeError(
-                f"refusing to write {name}.mar: quantized scores differ from the float model's by "
+                f"refusing to write {name}: served scores differ from {against} scores by "
                 f"{report.max_abs_score_diff:.3e} > {max_score_diff:.0e}"
             )
         stages.update()
 
         stages.set_postfix_str("torch-model-archiver")
         model_store.mkdir(parents=True, exist_ok=True)
+        unzipped = archive_format == "no-archive"
+        if unzipped:  # moved into the folder afterwards: one rename instead of a copy of many GB
+            (staging / "weights.pt").rename(Path(tmp) / "weights.pt")
         subprocess.run(
             [
                 str(Path(sys.executable).parent / "torch-model-archiver"),
@@ -141,16 +167,21 @@ def build_archive(
                 "--extra-files", str(staging),
                 "--config-file", str(config_path),
                 "--export-path", str(model_store),
+                "--archive-format", archive_format,
                 "--force",
             ],
             check=True,
         )
+        archive = model_store / (name if unzipped else f"{name}.mar")
+        if unzipped:
+            (Path(tmp) / "weights.pt").replace(archive / "weights.pt")
         stages.update()
     stages.close()
-    archive = model_store / f"{name}.mar"
+    size = sum(f.stat().st_size for f in archive.rglob("*")) if unzipped else archive.stat().st_size
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     tqdm.write(
-        f"wrote {archive} ({archive.stat().st_size / 2**20:.1f} MiB; weights "
-        f"{weights_bytes / 2**20:.1f} MiB) in {time.perf_counter() - started:.1f}s",
+        f"wrote {archive} ({size / 2**20:.1f} MiB; weights {weights_bytes / 2**20:.1f} MiB) in "
+        f"{time.perf_counter() - started:.1f}s, peak RSS {peak_gib:.2f} GiB",
         file=sys.stderr,
     )
     return archive
@@ -158,19 +189,20 @@ def build_archive(
 
 def verify(
     spec: ModelSpec,
-    float_model: torch.nn.Module,
+    reference_model: torch.nn.Module,
     staging: Path,
     num_items: int,
     bound: float,
     seed: int,
 ) -> VerificationReport:
-    """Loads the staged spec and weights as the handler does and compares scores with the float model."""
+    """Loads the staged spec and weights as the handler does and compares scores with ``reference``
+    (the float model, or the model built from random quantized tables)."""
     served = ScoringService.from_files(staging / "spec.yaml", staging / "weights.pt")
-    reference = ScoringService(spec, float_model)
+    reference = ScoringService(spec, reference_model)
     request = served.decoder.decode(items_request(spec, num_items, seed=seed + 1)).inputs
     served_scores = torch.sigmoid(served.logits([request])[0])
-    float_scores = torch.sigmoid(reference.logits([request])[0])
-    diff = float((served_scores - float_scores).abs().max())
+    reference_scores = torch.sigmoid(reference.logits([request])[0])
+    diff = float((served_scores - reference_scores).abs().max())
     return VerificationReport(items=num_items, max_abs_score_diff=diff, bound=bound)
 
 
@@ -183,6 +215,19 @@ def main(argv: list[str] | None = None) -> int:
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--checkpoint", type=Path, help="trained float state dict (torch.save)")
     weights.add_argument("--seed", type=int, default=0, help="random weights from this seed (demo)")
+    parser.add_argument(
+        "--init",
+        choices=("float", "quantized"),
+        default="float",
+        help="float: a float model (checkpoint or seed), quantized and verified against it; "
+        "quantized: seeded random tables made in their served dtypes, never in float (huge models)",
+    )
+    parser.add_argument(
+        "--archive-format",
+        choices=ARCHIVE_FORMATS,
+        default="default",
+        help="default: a zipped NAME.mar; no-archive: a folder NAME/ (no compression, no unpacking)",
+    )
     parser.add_argument("--name", help="model name (default: the spec's name)")
     parser.add_argument("--version", default="1.0", help="model version (default: 1.0)")
     parser.add_argument("--model-store", type=Path, default=REPO_ROOT / "model_store")
@@ -197,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         help="refuse the archive if any verification score differs from the float model's by more",
     )
     args = parser.parse_args(argv)
+    if args.init == "quantized" and args.checkpoint is not None:
+        parser.error("--init quantized makes random tables; it does not read --checkpoint")
     build_archive(
         args.spec,
         checkpoint=args.checkpoint,
@@ -211,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             intra_op_threads=args.intra_op_threads,
         ),
         max_score_diff=args.max_score_diff,
+        quantized_init=args.init == "quantized",
+        archive_format=args.archive_format,
     )
     return 0
 

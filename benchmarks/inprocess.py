@@ -15,10 +15,16 @@ from benchmarks.traffic import Traffic
 from handlers.service import ScoringService
 
 
-def load_artifact(archive: Path, unpack_to: Path) -> ScoringService:
-    with zipfile.ZipFile(archive) as z:
-        z.extractall(unpack_to)
-    return ScoringService.from_files(unpack_to / "spec.yaml", unpack_to / "weights.pt")
+def load_artifact(archive: Path, unpack_to: Path) -> tuple[ScoringService, Path]:
+    """The served model from a ``.mar`` (unzipped into ``unpack_to``) or an unzipped archive folder
+    (used in place: its tables are mapped from the same file the server maps). Returns the
+    service and the folder holding ``spec.yaml`` and ``weights.pt``."""
+    folder = archive
+    if archive.is_file():
+        with zipfile.ZipFile(archive) as z:
+            z.extractall(unpack_to)
+        folder = unpack_to
+    return ScoringService.from_files(folder / "spec.yaml", folder / "weights.pt"), folder
 
 
 def ceiling_items_per_s(

@@ -17,8 +17,11 @@ from benchmarks.scenarios import Scenario  # noqa: E402
 def evaluate_targets(scenario: Scenario, results: dict) -> list[dict]:
     evaluated = []
     for target in scenario.targets:
-        run = _find_run(results, target.workload, target.batch_size, target.concurrency)
-        measured = None if run is None else _metric(run, target.metric)
+        if target.workload is None:
+            measured = _config_metric(results, target.batch_size, target.metric)
+        else:
+            run = _find_run(results, target.workload, target.batch_size, target.concurrency)
+            measured = None if run is None else _metric(run, target.metric)
         evaluated.append(
             {
                 "label": target.label,
@@ -38,6 +41,23 @@ def _find_run(results: dict, workload: str, batch_size: int, concurrency: int) -
             if run["workload"] == workload and run["mode"] == "closed" and run["level"] == concurrency:
                 return run
     return None
+
+
+def _config_metric(results: dict, batch_size: int, metric: str) -> float | None:
+    config = next((c for c in results["configs"] if c["batch_size"] == batch_size), None)
+    if config is None:
+        return None
+    after = config["worker_after_runs"]
+    if metric == "register_s":
+        return config["register_s"]
+    if metric == "worker_rss_gib":
+        return after["rss_mib"] / 1024
+    if metric == "load_peak_ratio":
+        return config["load_peak_rss_mib"] / after["rss_mib"]
+    if metric == "two_workers_ratio":
+        two = config.get("two_workers")
+        return None if two is None else two["pss_mib"] / after["pss_mib"]
+    raise ValueError(f"unknown model metric {metric!r}")
 
 
 def _metric(run: dict, metric: str) -> float:
@@ -108,13 +128,15 @@ def summary(results: dict) -> str:
         f"build peak RSS {build['peak_rss_mib']:.0f} MiB; tables {sum(results['tables_mib'].values()):.1f} MiB",
     ]
     for config in results["configs"]:
-        loaded, after = config["worker_loaded"], config["worker_after_load"]
+        loaded, after = config["worker_loaded"], config["worker_after_runs"]
+        two = config.get("two_workers")
         lines += [
             "",
             f"batch_size {config['batch_size']} (max_batch_delay {config['max_batch_delay_ms']} ms): "
             f"register->ready {config['register_s']:.1f} s; worker RSS {loaded['rss_mib']:.0f} MiB "
-            f"loaded, {after['rss_mib']:.0f} MiB after load, PSS {after['pss_mib']:.0f} MiB, "
-            f"peak while loading {config['load_peak_rss_mib']:.0f} MiB",
+            f"loaded, peak while loading {config['load_peak_rss_mib']:.0f} MiB; after the runs RSS "
+            f"{after['rss_mib']:.0f} MiB, PSS {after['pss_mib']:.0f} MiB"
+            + (f"; two workers: PSS {two['pss_mib']:.0f} MiB together" if two else ""),
             f"  {'workload':<15}{'load':>9}{'req/s':>9}{'items/s':>10}{'p50':>8}{'p90':>8}{'p99':>8}"
             f"{'p99.9':>8}{'req/batch':>10}{'ceiling':>10}{'eff':>6}{'client':>7}  errors",
         ]

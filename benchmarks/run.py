@@ -42,9 +42,9 @@ def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None
 
     build = _build_archive(scenario, out_dir / "model_store")
     archive = Path(build["archive"])
-    ceiling_service = load_artifact(archive, out_dir / "unpacked")
+    ceiling_service, artifact = load_artifact(archive, out_dir / "unpacked")
     torch.set_num_threads(ServingConfig.intra_op_threads)  # as the worker runs
-    tables = table_memory_mib(DLRMFactory(spec).load_weights(out_dir / "unpacked" / "weights.pt"))
+    tables = table_memory_mib(DLRMFactory(spec).load_weights(artifact / "weights.pt"))
 
     results: dict = {
         "scenario": scenario.name,
@@ -84,13 +84,27 @@ def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None
                         _run_record(workload.name, result, formed, ceilings[(workload.name, k)])
                     )
                     progress.update()
-            config["worker_after_load"] = dataclasses.asdict(worker_memory(server.process.pid))
+            config["worker_after_runs"] = dataclasses.asdict(worker_memory(server.process.pid))
+            if scenario.measure_two_workers and batch_size == scenario.batch_sizes[-1]:
+                config["two_workers"] = _two_workers(server, spec.name, traffic[scenario.workloads[0].name])
             server.management("DELETE", f"/models/{spec.name}").raise_for_status()
             results["configs"].append(config)
     progress.close()
     results["targets"] = report.evaluate_targets(scenario, results)
     report.write(results, out_dir)
     return results
+
+
+def _two_workers(server: LocalTorchServe, name: str, load: Traffic) -> dict:
+    """Scales the model to two workers, sends the same traffic again, and sums their PSS: tables
+    mapped from one file are shared, so two workers should cost little more than one."""
+    response = server.management(
+        "PUT", f"/models/{name}", params={"min_worker": 2, "max_worker": 2, "synchronous": "true"}
+    )
+    response.raise_for_status()
+    url = f"{server.inference_url}/predictions/{name}"
+    run_closed_loop(url, server.auth("inference"), load, 8, 10.0, 4 * len(load.bodies))
+    return dataclasses.asdict(worker_memory(server.process.pid))
 
 
 def _traffic(
@@ -115,17 +129,21 @@ def _build_archive(scenario: Scenario, model_store: Path) -> dict:
             "--spec", str(scenario.spec),
             "--model-store", str(model_store),
             "--max-batch-delay", str(scenario.max_batch_delay_ms),
+            *scenario.build_args,
         ],
         check=True,
     )
     seconds = time.perf_counter() - started
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    archive = model_store / f"{ModelSpec.from_yaml(scenario.spec).name}.mar"
+    name = ModelSpec.from_yaml(scenario.spec).name
+    unzipped = "no-archive" in scenario.build_args
+    archive = model_store / (name if unzipped else f"{name}.mar")
+    size = sum(f.stat().st_size for f in archive.rglob("*")) if unzipped else archive.stat().st_size
     return {
         "archive": str(archive),
         "seconds": seconds,
         "peak_rss_mib": peak_kib / 1024,
-        "archive_mib": archive.stat().st_size / 2**20,
+        "archive_mib": size / 2**20,
     }
 
 

@@ -40,8 +40,9 @@ class DLRMHandler:
             model_dir / options.get("weights", "weights.pt"),
         )
         logger.info(
-            "loaded model %s (eager quantized TorchRec) in %.2fs, %d intra-op threads",
+            "loaded model %s from %s (eager quantized TorchRec) in %.2fs, %d intra-op threads",
             self.service.spec.name,
+            model_dir,
             time.perf_counter() - started,
             threads,
         )

@@ -50,6 +50,11 @@ def model_store(tmp_path_factory) -> Path:
     _build(store, seed=0, version="1.0")
     v2 = _build(root / "v2", seed=1, version="2.0")
     shutil.copy(v2, store / "tiny_v2.mar")
+    build_archive(  # a folder, not a zip, with tables made straight in their served dtypes
+        TINY_SPEC, checkpoint=None, seed=5, name="tiny_folder", version="1.0", model_store=store,
+        serving=ServingConfig(batch_size=BATCH_SIZE, max_batch_delay_ms=MAX_BATCH_DELAY_MS),
+        max_score_diff=0.0, quantized_init=True, archive_format="no-archive",
+    )
     return store
 
 
@@ -94,6 +99,19 @@ def test_served_scores_equal_in_process_scores(server, reference, tiny_spec):
         torch.testing.assert_close(
             torch.sigmoid(torch.tensor(served["logits"])), torch.tensor(served["scores"]), atol=1e-6, rtol=0
         )
+
+
+def test_unzipped_archive_of_random_quantized_tables_is_served(server, model_store, tiny_spec):
+    folder = model_store / "tiny_folder"
+    assert (folder / "MAR-INF" / "MANIFEST.json").exists() and (folder / "weights.pt").exists()
+    response = server.register("tiny_folder", initial_workers=1)
+    assert response.status_code == 200, response.text
+    reference = ScoringService.from_files(folder / "spec.yaml", folder / "weights.pt")
+    request = items_request(tiny_spec, 9, seed=11, max_bag=4)
+    served = server.predict("tiny_folder", request)
+    assert served.status_code == 200, served.text
+    assert served.json()["scores"] == pytest.approx(_expected(reference, request)["scores"], abs=1e-6)
+    assert server.management("DELETE", "/models/tiny_folder").status_code == 200
 
 
 def test_columnar_form_is_served(server, reference):
