@@ -56,7 +56,7 @@ def _config_metric(results: dict, batch_size: int, metric: str) -> float | None:
         return config["load_peak_rss_mib"] / after["rss_mib"]
     if metric == "two_workers_ratio":
         two = config.get("two_workers")
-        return None if two is None else two["pss_mib"] / after["pss_mib"]
+        return None if two is None else two["two"]["pss_mib"] / two["one"]["pss_mib"]
     raise ValueError(f"unknown model metric {metric!r}")
 
 
@@ -136,7 +136,12 @@ def summary(results: dict) -> str:
             f"register->ready {config['register_s']:.1f} s; worker RSS {loaded['rss_mib']:.0f} MiB "
             f"loaded, peak while loading {config['load_peak_rss_mib']:.0f} MiB; after the runs RSS "
             f"{after['rss_mib']:.0f} MiB, PSS {after['pss_mib']:.0f} MiB"
-            + (f"; two workers: PSS {two['pss_mib']:.0f} MiB together" if two else ""),
+            + (
+                f"; PSS of one worker {two['one']['pss_mib']:.0f} MiB, of two together "
+                f"{two['two']['pss_mib']:.0f} MiB"
+                if two
+                else ""
+            ),
             f"  {'workload':<15}{'load':>9}{'req/s':>9}{'items/s':>10}{'p50':>8}{'p90':>8}{'p99':>8}"
             f"{'p99.9':>8}{'req/batch':>10}{'ceiling':>10}{'eff':>6}{'client':>7}  errors",
         ]

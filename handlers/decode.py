@@ -19,6 +19,7 @@ Anything else is a ``BadRequest`` naming the field, e.g. ``items[2].sparse.cat_4
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -60,6 +61,7 @@ class RequestDecoder:
         self._features = spec.feature_names
         self._feature_set = frozenset(self._features)
         self._feature_rows = np.asarray(spec.feature_rows, dtype=np.int64)
+        self._no_bags = (_EMPTY_BAG,) * len(self._features)  # per-feature defaults for dict.get
         self._has_context = spec.architecture == Architecture.CONTEXT_RANKER
         extra = {_CONTEXT_KEY} if self._has_context else set()
         self._items_keys = _ITEMS_KEYS | extra
@@ -99,9 +101,9 @@ class RequestDecoder:
         if not isinstance(items, list) or not items:
             raise BadRequest("items", "must be a non-empty list of items")
         self._check_item_count("items", len(items))
+        features = self._features
         dense_rows: list[Any] = []
-        bags: list[list[list[Any]]] = [[] for _ in self._features]  # [F][n] ids
-        bag_weights: list[list[list[Any]]] = [[] for _ in self._features]  # weighted models only
+        item_bags: list[list[Any]] = []  # [n][F], as sent
         for i, item in enumerate(items):
             if not isinstance(item, dict):
                 raise BadRequest(f"items[{i}]", f"must be an object, got {_json_type(item)}")
@@ -114,38 +116,48 @@ class RequestDecoder:
                 raise BadRequest(f"items[{i}].sparse", f"must be an object, got {_json_type(sparse)}")
             unknown = sparse.keys() - self._feature_set
             if unknown:
-                name = sorted(unknown)[0]
-                raise BadRequest(f"items[{i}].sparse.{name}", "unknown feature")
-            for f, feature in enumerate(self._features):
-                ids, weights = self._bag(sparse.get(feature, _EMPTY_BAG), f"items[{i}].sparse.{feature}")
-                bags[f].append(ids)
-                bag_weights[f].append(weights)
+                raise BadRequest(f"items[{i}].sparse.{min(unknown)}", "unknown feature")
+            item_bags.append(list(map(sparse.get, features, self._no_bags)))
         dense = self._float_rows(dense_rows, self.spec.dense_features, lambda i: f"items[{i}].dense")
-        lengths = np.array([[len(b) for b in feature_bags] for feature_bags in bags], dtype=np.int64)
-        values = [v for feature_bags in bags for bag in feature_bags for v in bag]
+
+        # Feature-major, as TorchRec lays out a KeyedJaggedTensor: bag k is (feature k // n, item k % n).
+        n = len(items)
+        bags = list(itertools.chain.from_iterable(zip(*item_bags)))
+        weights = None
+        if set(map(type, bags)) <= {list}:  # the common case: plain lists of ids, checked in C
+            if self.spec.weighted_ids:
+                weights = np.ones(sum(map(len, bags)), dtype=np.float32)
+        else:
+            resolved = [
+                self._bag(bag, f"items[{k % n}].sparse.{features[k // n]}") for k, bag in enumerate(bags)
+            ]
+            bags = [ids for ids, _ in resolved]
+            if self.spec.weighted_ids:
+                flat_weights = list(itertools.chain.from_iterable(w for _, w in resolved))
+                lengths_for_weights = np.fromiter(map(len, bags), np.int64, len(bags)).reshape(-1, n)
+
+                def weight_field(k: int) -> str:
+                    f, i, j = _bag_position(lengths_for_weights, k)
+                    return f"items[{i}].sparse.{features[f]}.weights[{j}]"
+
+                weights = _finite_float32s(flat_weights, weight_field)
+        lengths = np.fromiter(map(len, bags), np.int64, len(bags)).reshape(len(features), n)
+        values = list(itertools.chain.from_iterable(bags))
 
         def field_of(f: int, i: int, j: int | None) -> str:
-            path = f"items[{i}].sparse.{self._features[f]}"
+            path = f"items[{i}].sparse.{features[f]}"
             if j is None:
                 return path
-            weighted_form = isinstance(items[i].get("sparse", {}).get(self._features[f]), dict)
+            weighted_form = isinstance(item_bags[i][f], dict)
             return f"{path}.ids[{j}]" if weighted_form else f"{path}[{j}]"
 
-        def weight_field(k: int) -> str:
-            f, i, j = _bag_position(lengths, k)
-            return f"items[{i}].sparse.{self._features[f]}.weights[{j}]"
-
         ids = self._ids(values, lengths, field_of)
-        weights = None
-        if self.spec.weighted_ids:
-            flat = [w for feature_weights in bag_weights for bag in feature_weights for w in bag]
-            weights = _finite_float32s(flat, weight_field)
         return _sparse_and_dense(dense, lengths, ids, weights)
 
     def _bag(self, bag: Any, field: str) -> tuple[list[Any], list[Any]]:
         """One bag -> (ids, weights); a plain list of ids has weights of 1."""
         if isinstance(bag, list):
-            return bag, [1.0] * len(bag) if self.spec.weighted_ids else _EMPTY_BAG
+            return bag, [1.0] * len(bag)
         if isinstance(bag, dict) and self.spec.weighted_ids:
             _reject_unknown(bag, _WEIGHTED_BAG_KEYS, f"{field}.")
             ids, weights = bag.get("ids"), bag.get("weights")

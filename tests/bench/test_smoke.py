@@ -30,7 +30,7 @@ def test_smoke_scenario_runs_and_reports(tmp_path):
     batched = next(c for c in results["configs"] if c["batch_size"] == 8)
     closed_8 = next(r for r in batched["runs"] if r["mode"] == "closed" and r["level"] == 8)
     assert closed_8["formed"]["mean_requests_per_batch"] > 1, "8 concurrent senders should share batches"
-    assert batched["two_workers"]["workers"] == 2
+    assert batched["two_workers"]["one"]["workers"] == 1 and batched["two_workers"]["two"]["workers"] == 2
     assert set(results["tables_mib"]) == {"t_user", "t_item", "t_category", "t_hour"}
     for name in ("latency_vs_throughput.png", "memory_by_table.png", "summary.txt"):
         assert (out / name).stat().st_size > 0
