@@ -81,8 +81,10 @@ SCENARIOS = {
         workloads=(
             Workload("one-item", TrafficModel(items_per_request=1, mean_bag=2.0), (1, 8), (50.0,)),
             Workload(
-                "candidates-20",
-                TrafficModel(items_per_request=20, mean_bag=2.0, candidate_features=("item_id",)),
+                "candidates-1-20",
+                TrafficModel(
+                    items_per_request=20, mean_bag=2.0, candidate_features=("item_id",), draw_items=True
+                ),
                 (4,),
                 (),
             ),

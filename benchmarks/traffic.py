@@ -24,22 +24,28 @@ _GOLDEN = 2654435761  # Knuth's multiplicative hash constant: scatters hot ids o
 
 @dataclasses.dataclass(frozen=True)
 class TrafficModel:
-    """``items_per_request``: candidates per request (1: one item). ``candidate_features``: for a
-    DLRM, the sparse features that vary per candidate (the rest, and the dense features, are the
+    """``items_per_request``: candidates per request (1: one item), or with ``draw_items`` the most,
+    each request drawing its count uniformly from 1..items_per_request. ``candidate_features``: for
+    a DLRM, the sparse features that vary per candidate (the rest, and the dense features, are the
     shared user context repeated in each item); a context ranker sends its context once."""
 
     items_per_request: int = 1
     zipf_exponent: float = 1.1
     mean_bag: float = 1.0
     candidate_features: tuple[str, ...] = ()
+    draw_items: bool = False
 
     def generate(self, spec: ModelSpec, num_requests: int, seed: int) -> "Traffic":
         rng = np.random.default_rng(seed)
-        bodies = [orjson.dumps(self._request(spec, rng)) for _ in range(num_requests)]
-        return Traffic(bodies=bodies, items=[self.items_per_request] * num_requests)
+        counts = (
+            rng.integers(1, self.items_per_request + 1, size=num_requests).tolist()
+            if self.draw_items
+            else [self.items_per_request] * num_requests
+        )
+        bodies = [orjson.dumps(self._request(spec, n, rng)) for n in counts]
+        return Traffic(bodies=bodies, items=counts)
 
-    def _request(self, spec: ModelSpec, rng: np.random.Generator) -> dict:
-        n = self.items_per_request
+    def _request(self, spec: ModelSpec, n: int, rng: np.random.Generator) -> dict:
         ranker = spec.architecture == Architecture.CONTEXT_RANKER
         # A DLRM has no context input: a user's features repeat in each of its candidates.
         varying = set(spec.feature_names) if n == 1 or ranker else set(self.candidate_features)

@@ -123,26 +123,25 @@ class RequestDecoder:
         # Feature-major, as TorchRec lays out a KeyedJaggedTensor: bag k is (feature k // n, item k % n).
         n = len(items)
         bags = list(itertools.chain.from_iterable(zip(*item_bags)))
-        weights = None
-        if set(map(type, bags)) <= {list}:  # the common case: plain lists of ids, checked in C
-            if self.spec.weighted_ids:
-                weights = np.ones(sum(map(len, bags)), dtype=np.float32)
-        else:
+        resolved = None
+        if not set(map(type, bags)) <= {list}:  # weighted bags, or a bad one; plain lists are checked in C
             resolved = [
                 self._bag(bag, f"items[{k % n}].sparse.{features[k // n]}") for k, bag in enumerate(bags)
             ]
             bags = [ids for ids, _ in resolved]
-            if self.spec.weighted_ids:
-                flat_weights = list(itertools.chain.from_iterable(w for _, w in resolved))
-                lengths_for_weights = np.fromiter(map(len, bags), np.int64, len(bags)).reshape(-1, n)
-
-                def weight_field(k: int) -> str:
-                    f, i, j = _bag_position(lengths_for_weights, k)
-                    return f"items[{i}].sparse.{features[f]}.weights[{j}]"
-
-                weights = _finite_float32s(flat_weights, weight_field)
         lengths = np.fromiter(map(len, bags), np.int64, len(bags)).reshape(len(features), n)
         values = list(itertools.chain.from_iterable(bags))
+        weights = None
+        if self.spec.weighted_ids and resolved is None:
+            weights = np.ones(len(values), dtype=np.float32)
+        elif self.spec.weighted_ids:
+
+            def weight_field(k: int) -> str:
+                f, i, j = _bag_position(lengths, k)
+                return f"items[{i}].sparse.{features[f]}.weights[{j}]"
+
+            flat_weights = list(itertools.chain.from_iterable(w for _, w in resolved))
+            weights = _finite_float32s(flat_weights, weight_field)
 
         def field_of(f: int, i: int, j: int | None) -> str:
             path = f"items[{i}].sparse.{features[f]}"

@@ -3,9 +3,11 @@
 Two paths share the spec:
 
 * build time (archive tool): ``float_model()`` -> ``load_checkpoint()`` -> ``quantize()`` gives
-  ``InferenceWeights`` (per-table FBGEMM TBE rows + dense parameters), saved into the archive;
-* serve time (handler): ``inference_model(weights)`` builds the quantized, optionally sharded model
-  directly in its quantized form (no float tables are ever allocated) and copies the rows in.
+  ``InferenceWeights`` (per-table FBGEMM TBE rows + dense parameters), or ``random_weights()`` makes
+  them without any float table; ``save_weights()`` writes them in FBGEMM's flat TBE layout;
+* serve time (handler): ``load_weights()`` memory-maps that file and ``inference_model(weights)``
+  builds the quantized model around it: unsharded on CPU it runs on the mapped buffers themselves,
+  otherwise (sharded, or on CUDA) the rows are copied into the model's own tables.
 
 Sharding uses TorchRec's inference sharding (planner + ``shard_quant_model``); the rows of every table
 shard are copied from the unsharded TBE rows, so a sharded model computes exactly what the
@@ -183,10 +185,9 @@ class DLRMFactory:
         model = self._quant_model("cpu")
         buffers = []
         for tbe in _tbes(model):
-            buffer = torch.empty(tbe.host_size, dtype=torch.uint8)
+            buffer = torch.zeros(tbe.host_size, dtype=torch.uint8)  # padding stays 0: files reproduce
             _attach(tbe, buffer)
             buffers.append(buffer)
-            buffer[-tbe.row_alignment :] = 0  # at most the last row's padding; rows are filled below
             for (_, _, _, sparse_type, *_), (values, scale_bias) in zip(
                 tbe.embedding_specs, tbe.split_embedding_weights()
             ):
@@ -224,18 +225,20 @@ class DLRMFactory:
     def inference_model(self, weights: InferenceWeights) -> nn.Module:
         """The served model: quantized TBE tables (sharded per the spec) + float dense layers.
 
-        Tables are allocated directly in their quantized dtype; the float tables never exist.
+        Tables are allocated directly in their quantized dtype; the float tables never exist. With
+        ``weights.buffers`` (a loaded file) an unsharded CPU model uses them without a copy.
         """
         device = self.spec.sharding.device
         model = self._quant_model(device)
-        zero_copy = weights.buffers is not None and device == "cpu" and not self.spec.is_sharded
-        if zero_copy:
+        buffers = weights.buffers
+        zero_copy = buffers is not None and device == "cpu" and not self.spec.is_sharded
+        if buffers is not None and zero_copy:
             tbes = _tbes(model)
-            if len(tbes) != len(weights.buffers):  # type: ignore[arg-type]
+            if len(tbes) != len(buffers):
                 raise CheckpointError(
-                    f"inference weights hold {len(weights.buffers)} TBE buffers, the spec needs {len(tbes)}"  # type: ignore[arg-type]
+                    f"inference weights hold {len(buffers)} TBE buffers, the spec needs {len(tbes)}"
                 )
-            for tbe, buffer in zip(tbes, weights.buffers):  # type: ignore[arg-type]
+            for tbe, buffer in zip(tbes, buffers):
                 _attach(tbe, buffer)
         elif self.spec.is_sharded:
             model = self._shard(model)  # the sharded modules allocate their own weights

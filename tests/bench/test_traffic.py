@@ -36,8 +36,14 @@ def test_ids_are_skewed_towards_a_few_hot_rows(tiny_spec):
     assert top_share > 0.15
 
 
+def test_drawn_item_counts_vary_within_bounds(tiny_spec):
+    traffic = TrafficModel(items_per_request=50, draw_items=True).generate(tiny_spec, 200, seed=4)
+    assert traffic.items == [len(orjson.loads(b)["items"]) for b in traffic.bodies]
+    assert min(traffic.items) >= 1 and max(traffic.items) <= 50 and len(set(traffic.items)) > 20
+
+
 def test_trace_round_trip(tiny_spec, tmp_path):
-    traffic = TrafficModel(items_per_request=3).generate(tiny_spec, num_requests=7, seed=3)
+    traffic = TrafficModel(items_per_request=3, draw_items=True).generate(tiny_spec, num_requests=7, seed=3)
     traffic.write_trace(tmp_path / "trace.jsonl")
     replayed = Traffic.read_trace(tmp_path / "trace.jsonl")
     assert replayed.bodies == traffic.bodies and replayed.items == traffic.items
