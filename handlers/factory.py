@@ -25,6 +25,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from handlers.dense_precision import apply_dense_precision
 from handlers.errors import CheckpointError
 from handlers.models import EBC_PATH, build_model
 from handlers.spec import ModelSpec, Pooling, ShardingType, TableSpec, WeightDtype
@@ -255,7 +256,7 @@ class DLRMFactory:
             )
         if not zero_copy:
             _copy_table_rows(model, weights.tables, {t.name: t.rows for t in self.spec.tables})
-        return model.eval()
+        return apply_dense_precision(model, self.spec).eval()
 
     # -- helpers -------------------------------------------------------------------------------
 

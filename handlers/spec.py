@@ -34,6 +34,24 @@ class Architecture(str, enum.Enum):
     CONTEXT_RANKER = "context_ranker"
 
 
+class DensePrecision(str, enum.Enum):
+    """How one dense submodule (an MLP) runs in the served model: a float dtype, or TorchAO int8
+    weights with float (weight-only) or per-call int8 (dynamic) activations."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    INT8_WEIGHT_ONLY = "int8_weight_only"
+    INT8_DYNAMIC = "int8_dynamic"
+
+
+# The dense submodules of each architecture, by attribute name on the model.
+DENSE_SUBMODULES = {
+    Architecture.DLRM: ("dense_arch", "over_arch"),
+    Architecture.CONTEXT_RANKER: ("dense_arch", "context_arch", "over_arch"),
+}
+
+
 class Pooling(str, enum.Enum):
     SUM = "sum"
     MEAN = "mean"
@@ -112,7 +130,8 @@ class CheckpointMapping:
 class ModelSpec:
     """``dense_features``/``bottom_mlp``: per-item dense input and its MLP; ``context_features``/
     ``context_mlp``: the per-request context input of a ``context_ranker`` (0 / () for DLRM);
-    ``weighted_ids``: every id may carry a float weight (weighted sum pooling)."""
+    ``weighted_ids``: every id may carry a float weight (weighted sum pooling);
+    ``dense_precision``: (submodule, precision) pairs for the served model, fp32 where unnamed."""
 
     name: str
     dense_features: int
@@ -123,6 +142,7 @@ class ModelSpec:
     context_features: int = 0
     context_mlp: tuple[int, ...] = ()
     weighted_ids: bool = False
+    dense_precision: tuple[tuple[str, DensePrecision], ...] = ()
     sharding: ShardingSpec = ShardingSpec()
     out_of_range: OutOfRangePolicy = OutOfRangePolicy.REJECT
     limits: Limits = Limits()
@@ -176,6 +196,7 @@ class ModelSpec:
             "bottom_mlp": list(self.bottom_mlp),
             "top_mlp": list(self.top_mlp),
             "weighted_ids": self.weighted_ids,
+            "dense_precision": {name: p.value for name, p in self.dense_precision},
             "tables": [
                 {
                     "name": t.name,
@@ -216,6 +237,7 @@ def _parse_model(raw: Any) -> ModelSpec:
         top_mlp=obj.int_list("top_mlp"),
         weighted_ids=obj.bool("weighted_ids", False),
         tables=tuple(_parse_table(t, f"tables[{i}]") for i, t in enumerate(obj.list("tables"))),
+        dense_precision=_parse_precision(obj.get("dense_precision", {}), "dense_precision"),
         sharding=_parse_sharding(obj.get("sharding", {}), "sharding"),
         out_of_range=obj.enum("out_of_range", OutOfRangePolicy, OutOfRangePolicy.REJECT),
         limits=_parse_limits(obj.get("limits", {}), "limits"),
@@ -242,6 +264,14 @@ def _parse_table(raw: Any, path: str) -> TableSpec:
     )
     obj.reject_unknown()
     return table
+
+
+def _parse_precision(raw: Any, path: str) -> tuple[tuple[str, DensePrecision], ...]:
+    obj = _Obj(raw, path)
+    pairs = tuple(
+        (name, obj.enum(name, DensePrecision, DensePrecision.FP32)) for name in list(raw)
+    )
+    return pairs
 
 
 def _parse_sharding(raw: Any, path: str) -> ShardingSpec:
@@ -331,6 +361,13 @@ def _validate(spec: ModelSpec) -> None:
                 f"tables[{i}].weight_dtype: a sharded model needs int8 or int4 tables (torchrec 1.8 "
                 f"inference sharding cannot shard {t.weight_dtype.value} tables), got "
                 f"{t.weight_dtype.value}"
+            )
+    submodules = DENSE_SUBMODULES[spec.architecture]
+    for name, _ in spec.dense_precision:
+        if name not in submodules:
+            raise SpecError(
+                f"dense_precision.{name}: not a dense submodule of {spec.architecture.value} "
+                f"(one of {', '.join(submodules)})"
             )
     lim = spec.limits
     if lim.max_items_per_request > lim.max_items_per_forward:

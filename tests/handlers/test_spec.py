@@ -114,6 +114,8 @@ _DELETE = object()
         (["limits", "max_ids"], 3, "limits: unknown key(s) 'max_ids'"),
         (["checkpoint_mapping"], {"prefixes": {"module.": 3}}, "checkpoint_mapping.prefixes: must map"),
         (["extra"], 1, "spec: unknown key(s) 'extra'"),
+        (["dense_precision"], {"over_arch": "int2"}, "dense_precision.over_arch: must be one of fp32, bf16"),
+        (["dense_precision"], {"context_arch": "bf16"}, "dense_precision.context_arch: not a dense submodule of dlrm"),
     ],
 )
 def test_bad_spec_names_the_key(path, value, message):
