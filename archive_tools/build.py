@@ -32,7 +32,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from archive_tools.synthetic import items_request
+from archive_tools.verification import Bounds, ValidationData, verify
 from handlers.factory import DLRMFactory
 from handlers.service import ScoringService
 from handlers.spec import ModelSpec
@@ -70,18 +70,11 @@ class ServingConfig:
         }
 
 
-@dataclasses.dataclass(frozen=True)
-class VerificationReport:
-    items: int
-    max_abs_score_diff: float
-    bound: float
-
-    @property
-    def passed(self) -> bool:
-        return self.max_abs_score_diff <= self.bound
-
-
 ARCHIVE_FORMATS = ("default", "no-archive")
+
+
+class VerificationFailed(RuntimeError):
+    """The served artifact does not predict like the model it was made from; nothing was written."""
 
 
 def build_archive(
@@ -93,8 +86,8 @@ def build_archive(
     version: str,
     model_store: Path,
     serving: ServingConfig,
-    max_score_diff: float,
-    verify_items: int = 256,
+    bounds: Bounds = Bounds(),
+    validation: Path | None = None,
     quantized_init: bool = False,
     archive_format: str = "default",
 ) -> Path:
@@ -137,24 +130,30 @@ def build_archive(
         config_path.write_text(yaml.safe_dump(serving.model_config(weights_bytes), sort_keys=False))
 
         stages.set_postfix_str("verify")
-        report = verify(spec, reference, staging, verify_items, max_score_diff, seed)
-        against = "the built model" if quantized_init else "float"
-        tqdm.write(
-            f"verification: {report.items} items, max |score - {against} score| = "
-            f"{report.max_abs_score_diff:.2e} (bound {report.bound:.0e}): "
-            + ("ok" if report.passed else "FAILED"),
-            file=sys.stderr,
+        # The artifact as the handler loads it, against the model it was made from.
+        served = ScoringService.from_files(staging / "spec.yaml", staging / "weights.pt")
+        reference_service = ScoringService(spec, reference)
+        data = (
+            ValidationData.from_jsonl(validation)
+            if validation is not None
+            else ValidationData.generated(spec, reference_service, 64, 16, seed)
         )
+        report = verify(served, reference_service, data, bounds)
+        against = "built" if quantized_init else "float"
+        for line in report.lines(against):
+            tqdm.write(line, file=sys.stderr)
+        model_store.mkdir(parents=True, exist_ok=True)
+        (model_store / f"{name}.verification.json").write_bytes(report.to_json())
+        (staging / "verification.json").write_bytes(report.to_json())  # kept inside the archive
         if not report.passed:
             stages.close()
-            raise RuntimeError(
-                f"refusing to write {name}: served scores differ from {against} scores by "
-                f"{report.max_abs_score_diff:.3e} > {max_score_diff:.0e}"
+            raise VerificationFailed(
+                f"refusing to write {name}: " + "; ".join(report.failures)
+                + f" (report: {model_store / f'{name}.verification.json'})"
             )
         stages.update()
 
         stages.set_postfix_str("torch-model-archiver")
-        model_store.mkdir(parents=True, exist_ok=True)
         unzipped = archive_format == "no-archive"
         if unzipped:  # moved into the folder afterwards: one rename instead of a copy of many GB
             (staging / "weights.pt").rename(Path(tmp) / "weights.pt")
@@ -187,25 +186,6 @@ def build_archive(
     return archive
 
 
-def verify(
-    spec: ModelSpec,
-    reference_model: torch.nn.Module,
-    staging: Path,
-    num_items: int,
-    bound: float,
-    seed: int,
-) -> VerificationReport:
-    """Loads the staged spec and weights as the handler does and compares scores with ``reference``
-    (the float model, or the model built from random quantized tables)."""
-    served = ScoringService.from_files(staging / "spec.yaml", staging / "weights.pt")
-    reference = ScoringService(spec, reference_model)
-    request = served.decoder.decode(items_request(spec, num_items, seed=seed + 1)).inputs
-    served_scores = torch.sigmoid(served.logits([request])[0])
-    reference_scores = torch.sigmoid(reference.logits([request])[0])
-    diff = float((served_scores - reference_scores).abs().max())
-    return VerificationReport(items=num_items, max_abs_score_diff=diff, bound=bound)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m archive_tools.build",
@@ -236,11 +216,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=ServingConfig.workers)
     parser.add_argument("--intra-op-threads", type=int, default=ServingConfig.intra_op_threads)
     parser.add_argument(
+        "--validation",
+        type=Path,
+        help="JSON-lines validation requests, optionally with labels (default: generated from the spec)",
+    )
+    parser.add_argument(
         "--max-score-diff",
         type=float,
-        default=0.02,
-        help="refuse the archive if any verification score differs from the float model's by more",
+        default=Bounds.max_abs_score_diff,
+        help="refuse the archive if any validation score differs from the reference's by more",
     )
+    parser.add_argument("--max-rel-score-diff", type=float, default=None, help="same, relative")
+    parser.add_argument("--max-auc-drop", type=float, default=Bounds.max_auc_drop)
+    parser.add_argument("--max-ne-increase", type=float, default=Bounds.max_ne_increase)
     args = parser.parse_args(argv)
     if args.init == "quantized" and args.checkpoint is not None:
         parser.error("--init quantized makes random tables; it does not read --checkpoint")
@@ -257,7 +245,13 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             intra_op_threads=args.intra_op_threads,
         ),
-        max_score_diff=args.max_score_diff,
+        bounds=Bounds(
+            max_abs_score_diff=args.max_score_diff,
+            max_rel_score_diff=args.max_rel_score_diff,
+            max_auc_drop=args.max_auc_drop,
+            max_ne_increase=args.max_ne_increase,
+        ),
+        validation=args.validation,
         quantized_init=args.init == "quantized",
         archive_format=args.archive_format,
     )

@@ -33,7 +33,6 @@ def main() -> None:
         version="1.0",
         model_store=MODEL_STORE,
         serving=ServingConfig(batch_size=32, max_batch_delay_ms=5),
-        max_score_diff=0.02,
     )
 
     print("== 2. starting TorchServe with config/config.properties")

@@ -35,7 +35,6 @@ def archive(tmp_path_factory) -> Path:
         version="1.0",
         model_store=tmp_path_factory.mktemp("archives") / "model_store",
         serving=ServingConfig(batch_size=BATCH_SIZE, max_batch_delay_ms=MAX_BATCH_DELAY_MS),
-        max_score_diff=0.02,
     )
 
 

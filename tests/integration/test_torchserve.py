@@ -18,6 +18,7 @@ import torch
 
 from archive_tools.build import ServingConfig, build_archive
 from archive_tools.local_server import LocalTorchServe
+from archive_tools.verification import Bounds
 from archive_tools.synthetic import items_request
 from handlers.service import ScoringService
 from tests.conftest import TINY_SPEC
@@ -38,7 +39,6 @@ def _build(store: Path, seed: int, version: str) -> Path:
         version=version,
         model_store=store,
         serving=ServingConfig(batch_size=BATCH_SIZE, max_batch_delay_ms=MAX_BATCH_DELAY_MS),
-        max_score_diff=0.02,
     )
 
 
@@ -53,7 +53,7 @@ def model_store(tmp_path_factory) -> Path:
     build_archive(  # a folder, not a zip, with tables made straight in their served dtypes
         TINY_SPEC, checkpoint=None, seed=5, name="tiny_folder", version="1.0", model_store=store,
         serving=ServingConfig(batch_size=BATCH_SIZE, max_batch_delay_ms=MAX_BATCH_DELAY_MS),
-        max_score_diff=0.0, quantized_init=True, archive_format="no-archive",
+        bounds=Bounds(max_abs_score_diff=0.0), quantized_init=True, archive_format="no-archive",
     )
     return store
 
