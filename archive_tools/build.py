@@ -32,7 +32,10 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from archive_tools.synthetic import items_request
 from archive_tools.verification import Bounds, ValidationData, verify
+from handlers.batching import coalesce
+from handlers.export import Artifact, compile_aoti, export_model
 from handlers.factory import DLRMFactory
 from handlers.service import ScoringService
 from handlers.spec import ModelSpec
@@ -52,7 +55,7 @@ class ServingConfig:
     intra_op_threads: int = 1
     response_timeout_s: int = 60
 
-    def model_config(self, weights_bytes: int) -> dict:
+    def model_config(self, artifact: Artifact, weights_bytes: int) -> dict:
         # Loading is dominated by reading the weights: allow a minute plus 30 s per GB.
         startup_timeout_s = 60 + int(30 * weights_bytes / 2**30)
         return {
@@ -62,11 +65,7 @@ class ServingConfig:
             "maxBatchDelay": self.max_batch_delay_ms,
             "responseTimeout": self.response_timeout_s,
             "startupTimeout": startup_timeout_s,
-            "handler": {
-                "spec": "spec.yaml",
-                "weights": "weights.pt",
-                "intra_op_threads": self.intra_op_threads,
-            },
+            "handler": {"artifact": artifact.value, "intra_op_threads": self.intra_op_threads},
         }
 
 
@@ -90,12 +89,13 @@ def build_archive(
     validation: Path | None = None,
     quantized_init: bool = False,
     archive_format: str = "default",
+    artifact: Artifact = Artifact.EAGER,
 ) -> Path:
     """Runs every stage and returns the path of the written ``.mar`` (or folder, for
     ``no-archive``); raises if verification fails."""
     if quantized_init and checkpoint is not None:
         raise ValueError("quantized_init creates random tables; it cannot start from a checkpoint")
-    stages = tqdm(total=5, desc="archive", unit="stage", file=sys.stderr)
+    stages = tqdm(total=6, desc="archive", unit="stage", file=sys.stderr)
     started = time.perf_counter()
 
     stages.set_postfix_str("spec")
@@ -127,12 +127,19 @@ def build_archive(
         del weights  # a file-backed copy exists now; the reference model keeps what it needs
         weights_bytes = (staging / "weights.pt").stat().st_size
         config_path = Path(tmp) / "model-config.yaml"
-        config_path.write_text(yaml.safe_dump(serving.model_config(weights_bytes), sort_keys=False))
+        config_path.write_text(
+            yaml.safe_dump(serving.model_config(artifact, weights_bytes), sort_keys=False)
+        )
+        reference_service = ScoringService(spec, reference)
+
+        stages.set_postfix_str(f"capture ({artifact.value})")
+        if artifact != Artifact.EAGER:
+            _capture(staging, artifact, reference_service)
+        stages.update()
 
         stages.set_postfix_str("verify")
         # The artifact as the handler loads it, against the model it was made from.
-        served = ScoringService.from_files(staging / "spec.yaml", staging / "weights.pt")
-        reference_service = ScoringService(spec, reference)
+        served = ScoringService.from_dir(staging, artifact)
         data = (
             ValidationData.from_jsonl(validation)
             if validation is not None
@@ -155,8 +162,9 @@ def build_archive(
 
         stages.set_postfix_str("torch-model-archiver")
         unzipped = archive_format == "no-archive"
+        big_file = staging / artifact.file_name
         if unzipped:  # moved into the folder afterwards: one rename instead of a copy of many GB
-            (staging / "weights.pt").rename(Path(tmp) / "weights.pt")
+            big_file.rename(Path(tmp) / artifact.file_name)
         subprocess.run(
             [
                 str(Path(sys.executable).parent / "torch-model-archiver"),
@@ -173,17 +181,36 @@ def build_archive(
         )
         archive = model_store / (name if unzipped else f"{name}.mar")
         if unzipped:
-            (Path(tmp) / "weights.pt").replace(archive / "weights.pt")
+            (Path(tmp) / artifact.file_name).replace(archive / artifact.file_name)
         stages.update()
     stages.close()
     size = sum(f.stat().st_size for f in archive.rglob("*")) if unzipped else archive.stat().st_size
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     tqdm.write(
-        f"wrote {archive} ({size / 2**20:.1f} MiB; weights {weights_bytes / 2**20:.1f} MiB) in "
-        f"{time.perf_counter() - started:.1f}s, peak RSS {peak_gib:.2f} GiB",
+        f"wrote {archive} ({size / 2**20:.1f} MiB, serving {artifact.value}; weights "
+        f"{weights_bytes / 2**20:.1f} MiB) in {time.perf_counter() - started:.1f}s, "
+        f"peak RSS {peak_gib:.2f} GiB",
         file=sys.stderr,
     )
     return archive
+
+
+def _capture(staging: Path, artifact: Artifact, reference: ScoringService) -> None:
+    """Exports the staged eager model (and compiles it for ``aoti``); the graph file then holds the
+    tables, so ``weights.pt`` leaves the archive and no table is stored twice."""
+    eager = ScoringService.from_files(staging / "spec.yaml", staging / "weights.pt")
+    spec = eager.spec
+    example = [
+        eager.decoder.decode(items_request(spec, n, seed=n, max_bag=3)).inputs for n in (3, 5)
+    ]
+    program = export_model(eager.model, eager.tags, coalesce(example, eager.tags))
+    exported = staging / Artifact.EXPORTED.file_name
+    torch.export.save(program, str(exported))
+    if artifact == Artifact.AOTI:
+        compile_aoti(program, staging / artifact.file_name)
+        exported.unlink()
+    del eager, program
+    (staging / "weights.pt").unlink()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,6 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         default="float",
         help="float: a float model (checkpoint or seed), quantized and verified against it; "
         "quantized: seeded random tables made in their served dtypes, never in float (huge models)",
+    )
+    parser.add_argument(
+        "--artifact",
+        choices=[a.value for a in Artifact],
+        default=Artifact.EAGER.value,
+        help="what the archive serves: aoti (AOTInductor package), exported (torch.export program) "
+        "or eager (TorchRec modules on memory-mapped weights; needed for tables of many GB)",
     )
     parser.add_argument(
         "--archive-format",
@@ -254,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         validation=args.validation,
         quantized_init=args.init == "quantized",
         archive_format=args.archive_format,
+        artifact=Artifact(args.artifact),
     )
     return 0
 

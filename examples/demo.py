@@ -1,6 +1,7 @@
 """The main job, end to end (``make demo``):
 
-1. build ``model_store/criteo.mar`` from the Criteo-shaped spec (seeded random weights, int8 tables);
+1. build ``model_store/criteo.mar`` from the Criteo-shaped spec (seeded random weights, int8 tables),
+   compiled with AOTInductor (or, where the machine cannot compile, as an exported program);
 2. start TorchServe with ``config/config.properties`` (token authorization on) on free loopback ports;
 3. register the archive through the management API (batching on: batch_size 32, 5 ms);
 4. score the example requests in ``examples/requests/`` and print the scores;
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import orjson
 
-from archive_tools.build import ServingConfig, build_archive
+from archive_tools.build import ServingConfig, VerificationFailed, build_archive
 from archive_tools.local_server import LocalTorchServe
+from handlers.export import Artifact
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = REPO / "config" / "models" / "criteo.yaml"
@@ -23,9 +25,8 @@ MODEL_STORE = REPO / "model_store"
 REQUESTS = REPO / "examples" / "requests"
 
 
-def main() -> None:
-    print(f"== 1. building the archive from {SPEC.relative_to(REPO)}")
-    archive = build_archive(
+def _build(artifact: Artifact) -> Path:
+    return build_archive(
         SPEC,
         checkpoint=None,
         seed=0,
@@ -33,7 +34,19 @@ def main() -> None:
         version="1.0",
         model_store=MODEL_STORE,
         serving=ServingConfig(batch_size=32, max_batch_delay_ms=5),
+        artifact=artifact,
     )
+
+
+def main() -> None:
+    print(f"== 1. building the archive from {SPEC.relative_to(REPO)}")
+    try:
+        archive = _build(Artifact.AOTI)
+    except VerificationFailed:
+        raise
+    except Exception as error:  # no C++ toolchain, or AOTInductor cannot compile here
+        print(f"   AOTInductor failed ({type(error).__name__}: {error}); serving the exported program")
+        archive = _build(Artifact.EXPORTED)
 
     print("== 2. starting TorchServe with config/config.properties")
     with LocalTorchServe(model_store=MODEL_STORE) as server:

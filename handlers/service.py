@@ -19,6 +19,7 @@ from torch import nn
 from handlers.batching import RequestInputs, chunk_by_items, coalesce, split_outputs
 from handlers.decode import DecodedRequest, RequestDecoder
 from handlers.errors import InternalError, ServingError
+from handlers.export import Artifact, GraphModel
 from handlers.factory import DLRMFactory
 from handlers.models import input_tags
 from handlers.spec import ModelSpec
@@ -35,7 +36,7 @@ class Response:
 class ScoringService:
     """Scores requests with one model; one response per request, in order."""
 
-    def __init__(self, spec: ModelSpec, model: nn.Module) -> None:
+    def __init__(self, spec: ModelSpec, model: nn.Module | GraphModel) -> None:
         self.spec = spec
         self.model = model
         self.decoder = RequestDecoder(spec)
@@ -46,10 +47,20 @@ class ScoringService:
 
     @classmethod
     def from_files(cls, spec_path: str | Path, weights_path: str | Path) -> "ScoringService":
+        """The eager model: the factory's TorchRec modules on the memory-mapped weights."""
         spec = ModelSpec.from_yaml(spec_path)
         factory = DLRMFactory(spec)
         model = factory.inference_model(factory.load_weights(weights_path))
         return cls(spec, model)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, artifact: Artifact) -> "ScoringService":
+        """What an archive folder serves: ``spec.yaml`` plus the artifact's file."""
+        model_dir = Path(model_dir)
+        if artifact == Artifact.EAGER:
+            return cls.from_files(model_dir / "spec.yaml", model_dir / artifact.file_name)
+        spec = ModelSpec.from_yaml(model_dir / "spec.yaml")
+        return cls(spec, GraphModel(model_dir / artifact.file_name, artifact, input_tags(spec)))
 
     def handle(self, payloads: Sequence[Any]) -> list[Response]:
         responses: list[Response | None] = [None] * len(payloads)

@@ -1,8 +1,9 @@
 """The TorchServe entry point: a thin adapter from TorchServe's worker API to ``ScoringService``.
 
 TorchServe calls ``initialize(context)`` once per worker and ``handle(data, context)`` per batch of
-requests (``batchSize`` / ``maxBatchDelay``). Model loading is our own (``ScoringService.from_files``:
-spec + memory-mapped weights), not BaseHandler's. This module defines exactly one class, as
+requests (``batchSize`` / ``maxBatchDelay``). Model loading is our own (``ScoringService.from_dir``:
+the spec plus the artifact that ``model-config.yaml`` names: an AOTInductor package, an exported
+program, or the eager model on memory-mapped weights), not BaseHandler's. This module defines exactly one class, as
 TorchServe's class entry point requires.
 
 Metrics (Prometheus counters on the metrics API, with ``model_metrics_auto_detect=true``):
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from ts.metrics.dimension import Dimension
 
+from handlers.export import Artifact
 from handlers.service import ScoringService
 
 logger = logging.getLogger(__name__)
@@ -35,14 +37,14 @@ class DLRMHandler:
         options = (context.model_yaml_config or {}).get("handler", {})
         threads = int(options.get("intra_op_threads", 1))
         torch.set_num_threads(threads)
-        self.service = ScoringService.from_files(
-            model_dir / options.get("spec", "spec.yaml"),
-            model_dir / options.get("weights", "weights.pt"),
-        )
+        artifact = Artifact(options.get("artifact", Artifact.EAGER.value))
+        self.service = ScoringService.from_dir(model_dir, artifact)
         logger.info(
-            "loaded model %s from %s (eager quantized TorchRec) in %.2fs, %d intra-op threads",
+            "loaded model %s from %s, running %s (%s) in %.2fs, %d intra-op threads",
             self.service.spec.name,
             model_dir,
+            artifact.value,
+            artifact.file_name,
             time.perf_counter() - started,
             threads,
         )

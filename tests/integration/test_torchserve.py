@@ -19,6 +19,7 @@ import torch
 from archive_tools.build import ServingConfig, build_archive
 from archive_tools.local_server import LocalTorchServe
 from archive_tools.verification import Bounds
+from handlers.export import Artifact
 from archive_tools.synthetic import items_request
 from handlers.service import ScoringService
 from tests.conftest import TINY_SPEC
@@ -50,6 +51,12 @@ def model_store(tmp_path_factory) -> Path:
     _build(store, seed=0, version="1.0")
     v2 = _build(root / "v2", seed=1, version="2.0")
     shutil.copy(v2, store / "tiny_v2.mar")
+    for artifact in (Artifact.EXPORTED, Artifact.AOTI):  # the same model (seed 0) as graphs
+        build_archive(
+            TINY_SPEC, checkpoint=None, seed=0, name=f"tiny_{artifact.value}", version="1.0",
+            model_store=store, serving=ServingConfig(batch_size=BATCH_SIZE, max_batch_delay_ms=MAX_BATCH_DELAY_MS),
+            artifact=artifact,
+        )
     build_archive(  # a folder, not a zip, with tables made straight in their served dtypes
         TINY_SPEC, checkpoint=None, seed=5, name="tiny_folder", version="1.0", model_store=store,
         serving=ServingConfig(batch_size=BATCH_SIZE, max_batch_delay_ms=MAX_BATCH_DELAY_MS),
@@ -99,6 +106,23 @@ def test_served_scores_equal_in_process_scores(server, reference, tiny_spec):
         torch.testing.assert_close(
             torch.sigmoid(torch.tensor(served["logits"])), torch.tensor(served["scores"]), atol=1e-6, rtol=0
         )
+
+
+@pytest.mark.parametrize("artifact", [Artifact.EXPORTED, Artifact.AOTI])
+def test_exported_and_compiled_archives_answer_like_eager(server, reference, tiny_spec, artifact):
+    name = f"tiny_{artifact.value}"
+    with zipfile.ZipFile(server.model_store / f"{name}.mar") as z:
+        assert artifact.file_name in z.namelist() and "weights.pt" not in z.namelist()
+    response = server.register(f"{name}.mar", initial_workers=1)
+    assert response.status_code == 200, response.text
+    requests_ = [items_request(tiny_spec, n, seed=40 + n, max_bag=5) for n in (1, 6, 33)]
+    with ThreadPoolExecutor(max_workers=len(requests_)) as pool:
+        responses = list(pool.map(lambda r: server.predict(name, r), requests_))
+    for request, served in zip(requests_, responses):
+        assert served.status_code == 200, served.text
+        assert served.json()["scores"] == pytest.approx(_expected(reference["1.0"], request)["scores"], abs=1e-6)
+    assert f"running {artifact.value}" in server.log_tail(200_000)
+    assert server.management("DELETE", f"/models/{name}").status_code == 200
 
 
 def test_unzipped_archive_of_random_quantized_tables_is_served(server, model_store, tiny_spec):

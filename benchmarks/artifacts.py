@@ -1,0 +1,124 @@
+"""Forward time of each artifact kind, in-process, one run:
+
+    python -m benchmarks.artifacts [--spec config/models/criteo.yaml] [--out DIR]
+
+Eager float (the trained model), eager quantized (TorchRec + FBGEMM on the mapped weights), the
+exported program and the AOTInductor package, at batch 1, 32, 256 and 2048 items, on one intra-op
+thread; plus each archive's size, build time and load time. Writes artifacts.json, artifacts.png
+and a text table to DIR (default benchmarks/results/artifacts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import orjson  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from archive_tools.build import ServingConfig, build_archive  # noqa: E402
+from archive_tools.synthetic import items_request  # noqa: E402
+from benchmarks.scenarios import MODELS, REPO  # noqa: E402
+from handlers.batching import coalesce  # noqa: E402
+from handlers.export import Artifact  # noqa: E402
+from handlers.factory import DLRMFactory  # noqa: E402
+from handlers.service import ScoringService  # noqa: E402
+from handlers.spec import ModelSpec  # noqa: E402
+
+BATCHES = (1, 32, 256, 2048)
+
+
+def forward_ms(model, batch, min_time_s: float = 1.0) -> float:
+    with torch.inference_mode():
+        for _ in range(3):
+            model(**batch)
+        calls, started = 0, time.perf_counter()
+        while time.perf_counter() - started < min_time_s or calls < 5:
+            model(**batch)
+            calls += 1
+    return (time.perf_counter() - started) / calls * 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.artifacts", description=__doc__)
+    parser.add_argument("--spec", type=Path, default=MODELS / "criteo.yaml")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "artifacts")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    spec = ModelSpec.from_yaml(args.spec)
+    probe = ScoringService(spec, DLRMFactory(spec).float_model(seed=0))
+    batches = {}
+    for size in BATCHES:  # requests of at most 256 items, coalesced into one batch of `size`
+        parts = [min(256, size - start) for start in range(0, size, 256)]
+        requests = [probe.decoder.decode(items_request(spec, n, seed=k)).inputs for k, n in enumerate(parts)]
+        batches[size] = coalesce(requests, probe.tags)
+
+    results: dict = {"spec": str(args.spec), "batches": list(BATCHES), "artifacts": {}}
+    results["artifacts"]["eager float"] = {"forward_ms": {}}
+    kinds = [Artifact.EAGER, Artifact.EXPORTED, Artifact.AOTI]
+    progress = tqdm(total=len(kinds) + 1, desc="artifacts", unit="kind")
+    for size, batch in batches.items():
+        results["artifacts"]["eager float"]["forward_ms"][size] = forward_ms(probe.model, batch)
+    progress.update()
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in kinds:
+            progress.set_postfix_str(kind.value)
+            started = time.perf_counter()
+            archive = build_archive(
+                args.spec, checkpoint=None, seed=0, name=f"{spec.name}_{kind.value}", version="1.0",
+                model_store=Path(tmp) / "model_store", serving=ServingConfig(), artifact=kind,
+            )
+            build_s = time.perf_counter() - started
+            unpacked = Path(tmp) / kind.value
+            with zipfile.ZipFile(archive) as z:
+                z.extractall(unpacked)
+            started = time.perf_counter()
+            service = ScoringService.from_dir(unpacked, kind)
+            load_s = time.perf_counter() - started
+            label = "eager quantized" if kind == Artifact.EAGER else kind.value
+            results["artifacts"][label] = {
+                "archive_mib": archive.stat().st_size / 2**20,
+                "build_s": build_s,
+                "load_s": load_s,
+                "forward_ms": {size: forward_ms(service.model, batch) for size, batch in batches.items()},
+            }
+            progress.update()
+    progress.close()
+    options = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
+    (args.out / "artifacts.json").write_bytes(orjson.dumps(results, option=options))
+    lines = [f"{'artifact':<16}" + "".join(f"{f'batch {b} ms':>14}" for b in BATCHES)
+             + f"{'archive MiB':>13}{'build s':>9}{'load s':>8}"]
+    for label, r in results["artifacts"].items():
+        lines.append(
+            f"{label:<16}" + "".join(f"{r['forward_ms'][b]:>14.3f}" for b in BATCHES)
+            + (f"{r['archive_mib']:>13.1f}{r['build_s']:>9.1f}{r['load_s']:>8.2f}" if "build_s" in r else "")
+        )
+    text = "\n".join(lines) + "\n"
+    (args.out / "artifacts.txt").write_text(text)
+    print(text)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, r in results["artifacts"].items():
+        ax.plot(BATCHES, [r["forward_ms"][b] for b in BATCHES], marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("items per forward")
+    ax.set_ylabel("forward time (ms), 1 thread")
+    ax.set_title(f"{spec.name}: forward time by artifact")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "artifacts.png", dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

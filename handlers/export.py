@@ -1,0 +1,182 @@
+"""The served model captured with ``torch.export`` (and compiled with AOTInductor): graphs that
+run without the model's Python.
+
+An archive serves one ``Artifact``, named in its ``model-config.yaml``: ``aoti`` (the compiled
+package, fastest), ``exported`` (the exported program, run by PyTorch's interpreter) or ``eager``
+(the factory's TorchRec model on the memory-mapped ``weights.pt``; for tables too large to embed in a
+graph, and for debugging).
+
+The exported program takes plain tensors, laid out by the model's batch tags
+(``handlers.models.input_tags``), so that the same tags give its dynamic shapes:
+
+* ``ROWS`` / ``CONTEXT`` ``[N or K, D]``: dim 0 dynamic (N items, or K requests);
+* ``JAGGED``: ``values [V]`` (and ``weights [V]``) with V dynamic, and ``lengths [F, N]``;
+* ``ITEM_COUNTS`` ``[K]``; ``STATIC``: as is.
+
+``export_model`` captures; ``ExportedModel`` runs a loaded program on the coalescer's batch, so
+``ScoringService`` drives it exactly like the eager model.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+import fbgemm_gpu  # noqa: F401  registers the TBE operators the graph calls
+from handlers.batching import BatchInput, BatchKind, InputTag
+from torchrec import KeyedJaggedTensor
+from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
+
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode  # isort: skip
+from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (  # isort: skip
+    IntNBitTableBatchedEmbeddingBagsCodegen,
+)
+
+MAX_BATCH = 1 << 16
+MAX_VALUES = 1 << 28
+
+
+class Artifact(str, enum.Enum):
+    AOTI = "aoti"
+    EXPORTED = "exported"
+    EAGER = "eager"
+
+    @property
+    def file_name(self) -> str:
+        return {"aoti": "model_aoti.pt2", "exported": "model.pt2", "eager": "weights.pt"}[self.value]
+
+
+class PlainInputs(nn.Module):
+    """``model`` with its KeyedJaggedTensor inputs taken apart into plain tensors (for export)."""
+
+    def __init__(self, model: nn.Module, tags: Sequence[InputTag]) -> None:
+        super().__init__()
+        self.model = model
+        self.tags = tuple(tags)
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        kwargs: dict[str, Any] = {}
+        position = 0
+        for tag in self.tags:
+            if tag.kind == BatchKind.JAGGED:
+                values, lengths = tensors[position], tensors[position + 1]
+                weighted = _is_weighted(self.model)
+                weights = tensors[position + 2] if weighted else None
+                position += 3 if weighted else 2
+                kwargs[tag.name] = KeyedJaggedTensor(
+                    keys=list(tag.keys), values=values, lengths=lengths.reshape(-1), weights=weights
+                )
+            else:
+                kwargs[tag.name] = tensors[position]
+                position += 1
+        return self.model(**kwargs)
+
+
+def plain_arguments(batch: dict[str, BatchInput], tags: Sequence[InputTag]) -> tuple[torch.Tensor, ...]:
+    """The coalescer's batch as the exported program's positional tensors."""
+    arguments: list[torch.Tensor] = []
+    for tag in tags:
+        value = batch[tag.name]
+        if isinstance(value, KeyedJaggedTensor):
+            arguments += [value.values(), value.lengths().reshape(len(tag.keys), -1)]
+            if value.weights_or_none() is not None:
+                arguments.append(value.weights())
+        else:
+            arguments.append(value)
+    return tuple(arguments)
+
+
+def dynamic_shapes(tags: Sequence[InputTag], weighted: bool) -> tuple[dict[int, Dim] | None, ...]:
+    items = Dim("items", min=1, max=MAX_BATCH)
+    requests = Dim("requests", min=1, max=MAX_BATCH)
+    values = Dim("values", min=0, max=MAX_VALUES)
+    shapes: list[dict[int, Dim] | None] = []
+    for tag in tags:
+        if tag.kind == BatchKind.ROWS or (tag.kind == BatchKind.CONTEXT and tag.broadcast):
+            shapes.append({0: items})
+        elif tag.kind in (BatchKind.CONTEXT, BatchKind.ITEM_COUNTS):
+            shapes.append({0: requests})
+        elif tag.kind == BatchKind.JAGGED:
+            shapes += [{0: values}, {1: items}] + ([{0: values}] if weighted else [])
+        else:
+            shapes.append(None)
+    return tuple(shapes)
+
+
+def export_model(
+    model: nn.Module, tags: Sequence[InputTag], example: dict[str, BatchInput]
+) -> torch.export.ExportedProgram:
+    """Captures the served model for batches of any size (1 included), tables stored once."""
+    _register_fake_classes()
+    _drop_table_views(model)
+    _skip_bounds_checks(model)
+    plain = PlainInputs(model, tags).eval()
+    arguments = plain_arguments(example, tags)
+    with torch.inference_mode():
+        plain(*arguments)  # one eager forward fills buffers that TorchRec builds lazily
+    from torch.fx.experimental import _config as fx_config
+
+    with fx_config.patch(backed_size_oblivious=True):  # else batch 1 is specialized away
+        return torch.export.export(
+            plain,
+            arguments,
+            dynamic_shapes=(dynamic_shapes(tags, _is_weighted(model)),),  # for *tensors
+            strict=False,
+        )
+
+
+def compile_aoti(program: torch.export.ExportedProgram, path: Path) -> Path:
+    """AOTInductor: the exported program compiled to a native package (C++ compiler needed)."""
+    return Path(torch._inductor.aoti_compile_and_package(program, package_path=str(path)))
+
+
+class GraphModel:
+    """A loaded exported program or AOTInductor package, called like the eager model with the
+    coalescer's batch."""
+
+    def __init__(self, path: str | Path, artifact: Artifact, tags: Sequence[InputTag]) -> None:
+        if artifact == Artifact.AOTI:
+            self.run = torch._inductor.aoti_load_package(str(path))
+        else:
+            self.run = torch.export.load(str(path)).module()
+        self.tags = tuple(tags)
+
+    def __call__(self, **batch: BatchInput) -> torch.Tensor:
+        return self.run(*plain_arguments(batch, self.tags))
+
+
+@functools.cache
+def _register_fake_classes() -> None:
+    """FBGEMM's script objects inside the TBEs need fake versions to be traced (once a process)."""
+    from torchrec.pt2.utils import register_fake_classes
+
+    register_fake_classes()
+
+
+def _is_weighted(model: nn.Module) -> bool:
+    return any(
+        isinstance(m, QuantEmbeddingBagCollection) and m.is_weighted() for m in model.modules()
+    )
+
+
+def _skip_bounds_checks(model: nn.Module) -> None:
+    """The decoder has already refused (or hashed) every id outside its table, so the TBEs' own
+    per-call bounds check is redundant; its data-dependent guards also stop AOTInductor."""
+    for module in model.modules():
+        if isinstance(module, IntNBitTableBatchedEmbeddingBagsCodegen):
+            module.bounds_check_mode_int = BoundsCheckMode.NONE.value
+
+
+def _drop_table_views(model: nn.Module) -> None:
+    """The quantized EBC exposes each table again as a ``weight`` buffer (a view, for
+    ``state_dict``); exported as is, the tables would be stored twice. The TBEs hold the real ones."""
+    for module in model.modules():
+        if isinstance(module, QuantEmbeddingBagCollection):
+            for table in module.embedding_bags.values():
+                table._buffers.pop("weight", None)

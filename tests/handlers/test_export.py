@@ -1,0 +1,75 @@
+"""The captured graphs: exported program and AOTInductor package score exactly as the eager model,
+at any batch size (1 included), and run in a process that never imports torchrec."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from archive_tools.synthetic import items_request
+from handlers.batching import coalesce
+from handlers.export import Artifact, GraphModel, compile_aoti, export_model, plain_arguments
+from handlers.factory import DLRMFactory
+from handlers.models import input_tags
+from handlers.service import ScoringService
+
+
+def _batch(service, sizes, seed):
+    return coalesce(
+        [service.decoder.decode(items_request(service.spec, n, seed=seed + n)).inputs for n in sizes],
+        service.tags,
+    )
+
+
+@pytest.fixture(scope="module", params=["tiny", "ranker"])
+def exported(request, tmp_path_factory, tiny_spec, tiny_weights, ranker_spec, ranker_weights):
+    """(eager service, exported program path) for DLRM and the context ranker."""
+    spec, weights = (tiny_spec, tiny_weights) if request.param == "tiny" else (ranker_spec, ranker_weights)
+    eager = ScoringService(spec, DLRMFactory(spec).inference_model(weights))
+    # export from a model of its own: capture swaps modules of the model it is given
+    program = export_model(DLRMFactory(spec).inference_model(weights), input_tags(spec), _batch(eager, (3, 5), 0))
+    path = tmp_path_factory.mktemp("export") / "model.pt2"
+    torch.export.save(program, str(path))
+    return eager, program, path
+
+
+@pytest.mark.parametrize("sizes", [(1,), (2, 7), (200, 1, 30)])
+def test_exported_program_equals_eager(exported, sizes):
+    eager, _, path = exported
+    graph = GraphModel(path, Artifact.EXPORTED, eager.tags)
+    batch = _batch(eager, sizes, seed=11)
+    with torch.inference_mode():
+        torch.testing.assert_close(graph(**batch), eager.model(**batch), atol=0, rtol=0)
+
+
+def test_aoti_package_equals_eager(exported, tmp_path):
+    eager, program, _ = exported
+    path = compile_aoti(program, tmp_path / "model_aoti.pt2")
+    graph = GraphModel(path, Artifact.AOTI, eager.tags)
+    for sizes in ((1,), (64, 3)):
+        batch = _batch(eager, sizes, seed=5)
+        with torch.inference_mode():
+            torch.testing.assert_close(graph(**batch), eager.model(**batch), atol=1e-6, rtol=1e-5)
+
+
+def test_exported_program_runs_without_torchrec(exported, tmp_path):
+    """A fresh process with torch and fbgemm_gpu only: no torchrec, no model class."""
+    eager, _, path = exported
+    batch = _batch(eager, (4, 1), seed=3)
+    torch.save(list(plain_arguments(batch, eager.tags)), tmp_path / "inputs.pt")
+    with torch.inference_mode():
+        torch.save(eager.model(**batch), tmp_path / "expected.pt")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        import fbgemm_gpu  # the TBE operators
+        program = torch.export.load({str(path)!r}).module()
+        inputs = torch.load({str(tmp_path / "inputs.pt")!r})
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        torch.testing.assert_close(program(*inputs), expected, atol=0, rtol=0)
+        assert "torchrec" not in sys.modules, "torchrec was imported"
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
