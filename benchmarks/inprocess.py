@@ -11,20 +11,24 @@ import time
 import zipfile
 from pathlib import Path
 
+import yaml
+
 from benchmarks.traffic import Traffic
+from handlers.export import Artifact
 from handlers.service import ScoringService
 
 
-def load_artifact(archive: Path, unpack_to: Path) -> tuple[ScoringService, Path]:
-    """The served model from a ``.mar`` (unzipped into ``unpack_to``) or an unzipped archive folder
-    (used in place: its tables are mapped from the same file the server maps). Returns the
-    service and the folder holding ``spec.yaml`` and ``weights.pt``."""
+def load_artifact(archive: Path, unpack_to: Path) -> ScoringService:
+    """The served model, loaded as the worker loads it (the artifact its ``model-config.yaml``
+    names), from a ``.mar`` (unzipped into ``unpack_to``) or an unzipped archive folder (used in
+    place: its tables are mapped from the same file the server maps)."""
     folder = archive
     if archive.is_file():
         with zipfile.ZipFile(archive) as z:
             z.extractall(unpack_to)
         folder = unpack_to
-    return ScoringService.from_files(folder / "spec.yaml", folder / "weights.pt"), folder
+    options = yaml.safe_load((folder / "model-config.yaml").read_text()).get("handler", {})
+    return ScoringService.from_dir(folder, Artifact(options.get("artifact", Artifact.EAGER.value)))
 
 
 def ceiling_items_per_s(

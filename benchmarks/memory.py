@@ -8,7 +8,8 @@ import time
 
 import psutil
 
-from handlers.factory import InferenceWeights
+from handlers.factory import DLRMFactory
+from handlers.spec import ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +78,6 @@ class PeakSampler:
             time.sleep(self.interval_s)
 
 
-def table_memory_mib(weights: InferenceWeights) -> dict[str, float]:
-    """Bytes of each served table (rows plus per-row scale/bias), in MiB."""
-    return {
-        name: (rows.nbytes + (0 if scale_bias is None else scale_bias.nbytes)) / 2**20
-        for name, (rows, scale_bias) in weights.tables.items()
-    }
+def table_memory_mib(spec: ModelSpec) -> dict[str, float]:
+    """MiB of each served table (rows of packed values plus per-row scale/bias)."""
+    return {name: size / 2**20 for name, size in DLRMFactory(spec).table_bytes().items()}

@@ -29,7 +29,6 @@ from benchmarks.load import LoadResult, run_closed_loop, run_open_loop
 from benchmarks.memory import PeakSampler, table_memory_mib, worker_memory
 from benchmarks.scenarios import Scenario
 from benchmarks.traffic import Traffic
-from handlers.factory import DLRMFactory
 from handlers.spec import ModelSpec
 
 WARMUP_REQUESTS = 20
@@ -43,9 +42,9 @@ def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None
 
     build = _build_archive(scenario, out_dir / "model_store")
     archive = Path(build["archive"])
-    ceiling_service, artifact = load_artifact(archive, out_dir / "unpacked")
+    ceiling_service = load_artifact(archive, out_dir / "unpacked")
     torch.set_num_threads(ServingConfig.intra_op_threads)  # as the worker runs
-    tables = table_memory_mib(DLRMFactory(spec).load_weights(artifact / "weights.pt"))
+    tables = table_memory_mib(spec)
 
     results: dict = {
         "scenario": scenario.name,

@@ -1,8 +1,9 @@
 """The benchmark scenarios and their targets (``python -m benchmarks SCENARIO``).
 
 * ``smoke``: the tiny spec, a few seconds per load level; CI runs it to keep the tool working.
-* ``criteo``: the Criteo-shaped spec (26 int8 tables capped at 100k rows): batching off vs on,
-  one-item and 100-candidate requests, closed loop at concurrency 1/8/32 and open loop.
+* ``criteo``: the Criteo-shaped spec (26 int8 tables capped at 100k rows), served as an
+  AOTInductor package: batching off vs on, one-item and 100-candidate requests, closed loop at
+  concurrency 1/8/32 and open loop.
 * ``criteo-1tb``: the same load on the Criteo 1TB row counts (177.9M rows, int4 on the six largest
   tables): built without a float model into an unzipped archive, tables memory-mapped by the worker.
 
@@ -111,6 +112,7 @@ SCENARIOS = {
         duration_s=10.0,
         max_requests=200_000,
         pool_requests=512,
+        build_args=("--artifact", "aoti"),
         targets=(
             *(_load_targets := (
                 Target(

@@ -35,6 +35,7 @@ import fbgemm_gpu  # noqa: F401  isort: skip
 from fbgemm_gpu.split_embedding_configs import SparseType  # isort: skip
 from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (  # isort: skip
     IntNBitTableBatchedEmbeddingBagsCodegen,
+    rounded_row_size_in_bytes,
 )
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig  # isort: skip
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel  # isort: skip
@@ -197,6 +198,14 @@ class DLRMFactory:
         torch.manual_seed(seed)  # the dense layers' own init
         dense_model = build_model(self.spec, self._float_ebc("meta"), "cpu")
         return InferenceWeights(_table_views(model), _dense_state(dense_model), buffers)
+
+    def table_bytes(self) -> dict[str, int]:
+        """Bytes each table takes in the served layout (rows x packed row size); allocates nothing."""
+        return {
+            name: rows * rounded_row_size_in_bytes(dim, sparse_type, ROW_ALIGNMENT)
+            for tbe in _tbes(self._quant_model("cpu"))
+            for name, rows, dim, sparse_type, *_ in tbe.embedding_specs
+        }
 
     # -- the weights file ----------------------------------------------------------------------
 
