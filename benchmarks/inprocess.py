@@ -32,20 +32,28 @@ def load_artifact(archive: Path, unpack_to: Path) -> ScoringService:
 
 
 def ceiling_items_per_s(
-    service: ScoringService, traffic: Traffic, requests_per_batch: int, min_time_s: float = 1.0
+    service: ScoringService,
+    traffic: Traffic,
+    requests_per_batch: int,
+    min_time_s: float = 1.0,
+    repeats: int = 3,
 ) -> float:
-    """Items/s of ``service.handle`` over batches of ``requests_per_batch`` requests from ``traffic``."""
+    """Items/s of ``service.handle`` over batches of ``requests_per_batch`` requests from
+    ``traffic``: the best of ``repeats`` timings, since a shared machine only ever slows it down."""
     k, n = max(1, requests_per_batch), len(traffic.bodies)
     starts = range(0, n, k)
     batches = [[traffic.bodies[(s + j) % n] for j in range(k)] for s in starts]
     items_per_batch = [sum(traffic.items[(s + j) % n] for j in range(k)) for s in starts]
     for batch in batches:  # warm-up: first-call allocations, and the table pages this traffic touches
         service.handle(batch)
-    items, calls = 0, 0
-    started = time.perf_counter()
-    while time.perf_counter() - started < min_time_s or calls < 5:
-        b = calls % len(batches)
-        service.handle(batches[b])
-        items += items_per_batch[b]
-        calls += 1
-    return items / (time.perf_counter() - started)
+    best = 0.0
+    for _ in range(repeats):
+        items, calls = 0, 0
+        started = time.perf_counter()
+        while time.perf_counter() - started < min_time_s or calls < 5:
+            b = calls % len(batches)
+            service.handle(batches[b])
+            items += items_per_batch[b]
+            calls += 1
+        best = max(best, items / (time.perf_counter() - started))
+    return best
