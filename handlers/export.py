@@ -13,8 +13,8 @@ The exported program takes plain tensors, laid out by the model's batch tags
 * ``JAGGED``: ``values [V]`` (and ``weights [V]``) with V dynamic, and ``lengths [F, N]``;
 * ``ITEM_COUNTS`` ``[K]``; ``STATIC``: as is.
 
-``export_model`` captures; ``ExportedModel`` runs a loaded program on the coalescer's batch, so
-``ScoringService`` drives it exactly like the eager model.
+``export_model`` captures, ``compile_aoti`` compiles, and ``GraphModel`` runs either on the
+coalescer's batch, so ``ScoringService`` drives it exactly like the eager model.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class PlainInputs(nn.Module):
         super().__init__()
         self.model = model
         self.tags = tuple(tags)
+        self.weighted = _is_weighted(model)
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
         kwargs: dict[str, Any] = {}
@@ -66,9 +67,8 @@ class PlainInputs(nn.Module):
         for tag in self.tags:
             if tag.kind == BatchKind.JAGGED:
                 values, lengths = tensors[position], tensors[position + 1]
-                weighted = _is_weighted(self.model)
-                weights = tensors[position + 2] if weighted else None
-                position += 3 if weighted else 2
+                weights = tensors[position + 2] if self.weighted else None
+                position += 3 if self.weighted else 2
                 kwargs[tag.name] = KeyedJaggedTensor(
                     keys=list(tag.keys), values=values, lengths=lengths.reshape(-1), weights=weights
                 )

@@ -8,7 +8,7 @@ import torch
 
 from archive_tools.build import ServingConfig, VerificationFailed, build_archive
 from archive_tools.synthetic import items_request
-from archive_tools.verification import Bounds, ValidationData, auc, normalized_entropy
+from archive_tools.verification import ValidationData, auc, normalized_entropy
 from handlers.factory import DLRMFactory
 from tests.conftest import TINY_SPEC
 
