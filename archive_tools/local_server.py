@@ -128,6 +128,13 @@ class LocalTorchServe:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        try:
+            self._wait_healthy()
+        except BaseException:  # never leave a server behind when starting fails, however it fails
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             self.check_alive()
@@ -136,12 +143,12 @@ class LocalTorchServe:
                 ping = requests.get(f"{self.inference_url}/ping", headers=self.auth("inference"), timeout=2)
                 if ping.status_code == 200:
                     return
-            except requests.ConnectionError:
+            except requests.RequestException:  # not listening yet, or too busy to answer in time
                 pass
             time.sleep(0.5)
-        tail = self.log_tail()
-        self.stop()
-        raise ServerDied(f"TorchServe not healthy after {self.startup_timeout_s}s:\n{tail}")
+        raise ServerDied(
+            f"TorchServe not healthy after {self.startup_timeout_s}s:\n{self.log_tail()}"
+        )
 
     def stop(self) -> None:
         """Terminates the server's process group (launcher, Java frontend, workers) by its pid."""
