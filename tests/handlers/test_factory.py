@@ -268,3 +268,17 @@ def test_dense_precision_within_bound_of_float(tiny_spec, precision):
     inputs = model_inputs(spec, [items_request(spec, 128, seed=4, max_bag=6)])
     diff = (_scores(served, inputs) - _scores(float_model, inputs)).abs().max().item()
     assert 0 < diff <= DENSE_BOUND[precision], diff
+
+
+def test_weights_file_of_another_layout_is_refused(tiny_spec, tiny_weights, tmp_path):
+    """An old per-table file, or buffers of the wrong size, name what the spec needs."""
+    torch.save({"tables.t_user.rows": torch.zeros(3, 12, dtype=torch.uint8)}, tmp_path / "old.pt")
+    with pytest.raises(CheckpointError, match="holds \\[\\], the spec needs 2 TBE buffers"):
+        DLRMFactory(tiny_spec).load_weights(tmp_path / "old.pt")
+    factory = DLRMFactory(tiny_spec)
+    factory.save_weights(tiny_weights, tmp_path / "weights.pt")
+    flat = torch.load(tmp_path / "weights.pt", weights_only=True)
+    flat["tbe.0"] = flat["tbe.0"][:-4].clone()
+    torch.save(flat, tmp_path / "short.pt")
+    with pytest.raises(CheckpointError, match="must be uint8 \\["):
+        factory.load_weights(tmp_path / "short.pt")
