@@ -3,12 +3,13 @@
     python -m archive_tools.build --spec config/models/tiny.yaml --seed 0
     python -m archive_tools.build --spec config/models/criteo.yaml --checkpoint trained.pt
     python -m archive_tools.build --spec config/models/criteo_1tb.yaml --init quantized \
-        --archive-format no-archive
+        --archive-format no-archive --artifact split --sparse eager --dense aoti
 
 Stages: spec -> float model (checkpoint, or seeded random weights for demos) -> per-table quantization
-(FBGEMM TBE) -> reload exactly as the handler will and compare its scores with the float model's ->
-package handler, ``handlers`` package, spec, weights and ``model-config.yaml`` with
-``torch-model-archiver``.
+(FBGEMM TBE) -> capture (``--artifact``: the whole model, or its sparse and dense parts, as exported
+programs or AOTInductor packages; ``archive_tools.capture``) -> reload exactly as the handler will
+and compare its scores with the float model's -> package handler, ``handlers`` package, spec, the
+artifact's files and ``model-config.yaml`` with ``torch-model-archiver``.
 
 ``--init quantized`` skips the float model: seeded random tables are created straight in their
 served dtypes (for models too large to hold in float), and verification checks that the reloaded
@@ -28,17 +29,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import yaml
 from tqdm import tqdm
 
-from archive_tools.synthetic import items_request
+from archive_tools.capture import capture
 from archive_tools.verification import Bounds, ValidationData, verify
-from handlers.batching import coalesce
-from handlers.export import Artifact, compile_aoti, export_model
+from handlers.export import Artifact
 from handlers.factory import DLRMFactory
 from handlers.service import ScoringService
 from handlers.spec import ModelSpec
+from handlers.split import DENSE_ARTIFACTS, DEVICES, SPARSE_ARTIFACTS, SplitPlan
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HANDLERS_DIR = REPO_ROOT / "handlers"
@@ -55,7 +55,7 @@ class ServingConfig:
     intra_op_threads: int = 1
     response_timeout_s: int = 60
 
-    def model_config(self, artifact: Artifact, weights_bytes: int) -> dict:
+    def model_config(self, artifact: Artifact, weights_bytes: int, split: SplitPlan | None) -> dict:
         # Loading is dominated by reading the weights: allow a minute plus 30 s per GB.
         startup_timeout_s = 60 + int(30 * weights_bytes / 2**30)
         return {
@@ -65,7 +65,11 @@ class ServingConfig:
             "maxBatchDelay": self.max_batch_delay_ms,
             "responseTimeout": self.response_timeout_s,
             "startupTimeout": startup_timeout_s,
-            "handler": {"artifact": artifact.value, "intra_op_threads": self.intra_op_threads},
+            "handler": {
+                "artifact": artifact.value,
+                **(split.to_options() if split else {}),
+                "intra_op_threads": self.intra_op_threads,
+            },
         }
 
 
@@ -90,11 +94,16 @@ def build_archive(
     quantized_init: bool = False,
     archive_format: str = "default",
     artifact: Artifact = Artifact.EAGER,
+    split: SplitPlan | None = None,
 ) -> Path:
     """Runs every stage and returns the path of the written ``.mar`` (or folder, for
-    ``no-archive``); raises if verification fails."""
+    ``no-archive``); raises if verification fails. ``split``: the parts of a ``split`` artifact."""
     if quantized_init and checkpoint is not None:
         raise ValueError("quantized_init creates random tables; it cannot start from a checkpoint")
+    if artifact == Artifact.SPLIT:
+        split = split or SplitPlan()
+    elif split is not None:
+        raise ValueError(f"a split plan was given for a {artifact.value} artifact")
     stages = tqdm(total=6, desc="archive", unit="stage", file=sys.stderr)
     started = time.perf_counter()
 
@@ -128,18 +137,18 @@ def build_archive(
         weights_bytes = (staging / "weights.pt").stat().st_size
         config_path = Path(tmp) / "model-config.yaml"
         config_path.write_text(
-            yaml.safe_dump(serving.model_config(artifact, weights_bytes), sort_keys=False)
+            yaml.safe_dump(serving.model_config(artifact, weights_bytes, split), sort_keys=False)
         )
         reference_service = ScoringService(spec, reference)
 
         stages.set_postfix_str(f"capture ({artifact.value})")
         if artifact != Artifact.EAGER:
-            _capture(staging, artifact, reference_service)
+            capture(staging, artifact, split)
         stages.update()
 
         stages.set_postfix_str("verify")
         # The artifact as the handler loads it, against the model it was made from.
-        served = ScoringService.from_dir(staging, artifact)
+        served = ScoringService.from_dir(staging, artifact, split)
         data = (
             ValidationData.from_jsonl(validation)
             if validation is not None
@@ -162,9 +171,9 @@ def build_archive(
 
         stages.set_postfix_str("torch-model-archiver")
         unzipped = archive_format == "no-archive"
-        big_file = staging / artifact.file_name
+        tables_file = _tables_file(artifact, split)
         if unzipped:  # moved into the folder afterwards: one rename instead of a copy of many GB
-            big_file.rename(Path(tmp) / artifact.file_name)
+            (staging / tables_file).rename(Path(tmp) / tables_file)
         subprocess.run(
             [
                 str(Path(sys.executable).parent / "torch-model-archiver"),
@@ -181,7 +190,7 @@ def build_archive(
         )
         archive = model_store / (name if unzipped else f"{name}.mar")
         if unzipped:
-            (Path(tmp) / artifact.file_name).replace(archive / artifact.file_name)
+            (Path(tmp) / tables_file).replace(archive / tables_file)
         stages.update()
     stages.close()
     size = sum(f.stat().st_size for f in archive.rglob("*")) if unzipped else archive.stat().st_size
@@ -195,22 +204,9 @@ def build_archive(
     return archive
 
 
-def _capture(staging: Path, artifact: Artifact, reference: ScoringService) -> None:
-    """Exports the staged eager model (and compiles it for ``aoti``); the graph file then holds the
-    tables, so ``weights.pt`` leaves the archive and no table is stored twice."""
-    eager = ScoringService.from_files(staging / "spec.yaml", staging / "weights.pt")
-    spec = eager.spec
-    example = [
-        eager.decoder.decode(items_request(spec, n, seed=n, max_bag=3)).inputs for n in (3, 5)
-    ]
-    program = export_model(eager.model, eager.tags, coalesce(example, eager.tags))
-    exported = staging / Artifact.EXPORTED.file_name
-    torch.export.save(program, str(exported))
-    if artifact == Artifact.AOTI:
-        compile_aoti(program, staging / artifact.file_name)
-        exported.unlink()
-    del eager, program
-    (staging / "weights.pt").unlink()
+def _tables_file(artifact: Artifact, split: SplitPlan | None) -> str:
+    """The archive's file that holds the embedding tables (its largest by far)."""
+    return split.sparse_file if split else artifact.file_name()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,8 +229,27 @@ def main(argv: list[str] | None = None) -> int:
         "--artifact",
         choices=[a.value for a in Artifact],
         default=Artifact.EAGER.value,
-        help="what the archive serves: aoti (AOTInductor package), exported (torch.export program) "
-        "or eager (TorchRec modules on memory-mapped weights; needed for tables of many GB)",
+        help="what the archive serves: aoti (AOTInductor package), exported (torch.export program), "
+        "eager (TorchRec modules on memory-mapped weights) or split (a sparse and a dense part, "
+        "see --sparse / --dense)",
+    )
+    defaults = SplitPlan()
+    parser.add_argument(
+        "--sparse",
+        choices=[a.value for a in SPARSE_ARTIFACTS],
+        help=f"split: the embedding lookups as (default {defaults.sparse.value}); eager keeps the "
+        "tables in the memory-mapped weights.pt, for tables of many GB",
+    )
+    parser.add_argument(
+        "--dense",
+        choices=[a.value for a in DENSE_ARTIFACTS],
+        help=f"split: the dense layers as (default {defaults.dense.value})",
+    )
+    parser.add_argument(
+        "--dense-device",
+        choices=DEVICES,
+        help=f"split: where the dense part runs (default {defaults.dense_device}; cuda needs "
+        "--dense exported)",
     )
     parser.add_argument(
         "--archive-format",
@@ -266,6 +281,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.init == "quantized" and args.checkpoint is not None:
         parser.error("--init quantized makes random tables; it does not read --checkpoint")
+    artifact = Artifact(args.artifact)
+    split_options = {"sparse": args.sparse, "dense": args.dense, "dense_device": args.dense_device}
+    given = {k: v for k, v in split_options.items() if v is not None}
+    if given and artifact != Artifact.SPLIT:
+        parser.error(f"--{'/--'.join(given).replace('_', '-')} only apply to --artifact split")
+    try:
+        split = SplitPlan.from_options(given) if artifact == Artifact.SPLIT else None
+    except ValueError as e:
+        parser.error(str(e))
     build_archive(
         args.spec,
         checkpoint=args.checkpoint,
@@ -288,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         validation=args.validation,
         quantized_init=args.init == "quantized",
         archive_format=args.archive_format,
-        artifact=Artifact(args.artifact),
+        artifact=artifact,
+        split=split,
     )
     return 0
 

@@ -148,6 +148,27 @@ def _coalesce_jagged(parts: Sequence[JaggedIds], keys: tuple[str, ...]) -> Keyed
     )
 
 
+def padding_request(like: RequestInputs, tags: Sequence[InputTag]) -> RequestInputs:
+    """One item of zero rows and empty bags, shaped like ``like``: fills a batch up to the size a
+    graph was captured for. Its output is dropped."""
+    tensors: dict[str, RequestTensor] = {}
+    for tag in tags:
+        if tag.kind == BatchKind.ITEM_COUNTS:
+            continue
+        part = like.tensors[tag.name]
+        if isinstance(part, JaggedIds):
+            tensors[tag.name] = JaggedIds(
+                lengths=part.lengths.new_zeros(len(tag.keys), 1),
+                values=part.values[:0],
+                weights=None if part.weights is None else part.weights[:0],
+            )
+        elif tag.kind == BatchKind.STATIC:
+            tensors[tag.name] = part
+        else:  # ROWS and CONTEXT: [1, ...] per item / per request
+            tensors[tag.name] = part.new_zeros(1, *part.shape[1:])
+    return RequestInputs(num_items=1, tensors=tensors)
+
+
 def split_outputs(output: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
     """[N, ...] -> one [n_k, ...] tensor per request, in request order."""
     return list(torch.split(output, list(counts), dim=0))

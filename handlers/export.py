@@ -2,9 +2,9 @@
 run without the model's Python.
 
 An archive serves one ``Artifact``, named in its ``model-config.yaml``: ``aoti`` (the compiled
-package, fastest), ``exported`` (the exported program, run by PyTorch's interpreter) or ``eager``
-(the factory's TorchRec model on the memory-mapped ``weights.pt``; for tables too large to embed in a
-graph, and for debugging).
+package, fastest), ``exported`` (the exported program, run by PyTorch's interpreter), ``eager``
+(the factory's TorchRec model on the memory-mapped ``weights.pt``; for debugging) or ``split``
+(a sparse and a dense part, each one of the others, run by ``handlers.split``).
 
 The exported program takes plain tensors, laid out by the model's batch tags
 (``handlers.models.input_tags``), so that the same tags give its dynamic shapes:
@@ -15,6 +15,10 @@ The exported program takes plain tensors, laid out by the model's batch tags
 
 ``export_model`` captures, ``compile_aoti`` compiles, and ``GraphModel`` runs either on the
 coalescer's batch, so ``ScoringService`` drives it exactly like the eager model.
+
+A graph takes batches of any size but where TorchAO's int8 dynamic activation quantization is in
+it: that kernel adds a guard against batch 1, so such graphs are captured for K >= 2 requests
+(``min_requests``) and the service pads a single request with an empty one.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 from torch.export import Dim
+from torch.export.passes import move_to_device_pass
 
 import fbgemm_gpu  # noqa: F401  registers the TBE operators the graph calls
 from handlers.batching import BatchInput, BatchKind, InputTag
+from handlers.spec import DensePrecision, ModelSpec
 from torchrec import KeyedJaggedTensor
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 
@@ -46,14 +52,27 @@ class Artifact(str, enum.Enum):
     AOTI = "aoti"
     EXPORTED = "exported"
     EAGER = "eager"
+    SPLIT = "split"
 
-    @property
-    def file_name(self) -> str:
-        return {"aoti": "model_aoti.pt2", "exported": "model.pt2", "eager": "weights.pt"}[self.value]
+    def file_name(self, part: str = "model") -> str:
+        """The file that holds ``part`` (``model``, ``sparse`` or ``dense``) as this artifact."""
+        if self == Artifact.EAGER:
+            return "weights.pt"
+        if self == Artifact.SPLIT:
+            raise ValueError("a split archive holds one file per part")
+        return f"{part}_aoti.pt2" if self == Artifact.AOTI else f"{part}.pt2"
+
+
+def min_requests(spec: ModelSpec) -> int:
+    """The fewest requests (and items) a graph of this model is captured for: 2 where TorchAO's
+    int8 dynamic activation quantization guards against batch 1, else 1."""
+    return 2 if any(p == DensePrecision.INT8_DYNAMIC for _, p in spec.dense_precision) else 1
 
 
 class PlainInputs(nn.Module):
-    """``model`` with its KeyedJaggedTensor inputs taken apart into plain tensors (for export)."""
+    """``model`` with its KeyedJaggedTensor inputs taken apart into plain tensors (for export).
+
+    ``model`` takes its inputs positionally, in the order of ``tags``."""
 
     def __init__(self, model: nn.Module, tags: Sequence[InputTag]) -> None:
         super().__init__()
@@ -62,20 +81,22 @@ class PlainInputs(nn.Module):
         self.weighted = _is_weighted(model)
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
-        kwargs: dict[str, Any] = {}
+        inputs: list[Any] = []
         position = 0
         for tag in self.tags:
             if tag.kind == BatchKind.JAGGED:
                 values, lengths = tensors[position], tensors[position + 1]
                 weights = tensors[position + 2] if self.weighted else None
                 position += 3 if self.weighted else 2
-                kwargs[tag.name] = KeyedJaggedTensor(
-                    keys=list(tag.keys), values=values, lengths=lengths.reshape(-1), weights=weights
+                inputs.append(
+                    KeyedJaggedTensor(
+                        keys=list(tag.keys), values=values, lengths=lengths.reshape(-1), weights=weights
+                    )
                 )
             else:
-                kwargs[tag.name] = tensors[position]
+                inputs.append(tensors[position])
                 position += 1
-        return self.model(**kwargs)
+        return self.model(*inputs)
 
 
 def plain_arguments(batch: dict[str, BatchInput], tags: Sequence[InputTag]) -> tuple[torch.Tensor, ...]:
@@ -92,9 +113,11 @@ def plain_arguments(batch: dict[str, BatchInput], tags: Sequence[InputTag]) -> t
     return tuple(arguments)
 
 
-def dynamic_shapes(tags: Sequence[InputTag], weighted: bool) -> tuple[dict[int, Dim] | None, ...]:
-    items = Dim("items", min=1, max=MAX_BATCH)
-    requests = Dim("requests", min=1, max=MAX_BATCH)
+def dynamic_shapes(
+    tags: Sequence[InputTag], weighted: bool, min_batch: int = 1
+) -> tuple[dict[int, Dim] | None, ...]:
+    items = Dim("items", min=min_batch, max=MAX_BATCH)
+    requests = Dim("requests", min=min_batch, max=MAX_BATCH)
     values = Dim("values", min=0, max=MAX_VALUES)
     shapes: list[dict[int, Dim] | None] = []
     for tag in tags:
@@ -110,9 +133,13 @@ def dynamic_shapes(tags: Sequence[InputTag], weighted: bool) -> tuple[dict[int, 
 
 
 def export_model(
-    model: nn.Module, tags: Sequence[InputTag], example: dict[str, BatchInput]
+    model: nn.Module,
+    tags: Sequence[InputTag],
+    example: dict[str, BatchInput],
+    min_batch: int = 1,
 ) -> torch.export.ExportedProgram:
-    """Captures the served model for batches of any size (1 included), tables stored once."""
+    """Captures the served model (or a part of it) for batches of ``min_batch`` requests and more
+    (1: any size), tables stored once. ``example`` must have more than ``min_batch`` requests."""
     _register_fake_classes()
     _drop_table_views(model)
     _skip_bounds_checks(model)
@@ -126,7 +153,7 @@ def export_model(
         return torch.export.export(
             plain,
             arguments,
-            dynamic_shapes=(dynamic_shapes(tags, _is_weighted(model)),),  # for *tensors
+            dynamic_shapes=(dynamic_shapes(tags, _is_weighted(model), min_batch),),  # for *tensors
             strict=False,
         )
 
@@ -138,13 +165,25 @@ def compile_aoti(program: torch.export.ExportedProgram, path: Path) -> Path:
 
 class GraphModel:
     """A loaded exported program or AOTInductor package, called like the eager model with the
-    coalescer's batch."""
+    coalescer's batch (on ``device``)."""
 
-    def __init__(self, path: str | Path, artifact: Artifact, tags: Sequence[InputTag]) -> None:
+    def __init__(
+        self, path: str | Path, artifact: Artifact, tags: Sequence[InputTag], device: str = "cpu"
+    ) -> None:
         if artifact == Artifact.AOTI:
+            if device != "cpu":
+                raise ValueError(
+                    f"{path}: an AOTInductor package runs on the device it was compiled for, and "
+                    f"this tool compiles for cpu; serve the exported program on {device} instead"
+                )
             self.run = torch._inductor.aoti_load_package(str(path))
+        elif artifact == Artifact.EXPORTED:
+            program = torch.export.load(str(path))
+            if device != "cpu":  # captured on cpu: its weights and device arguments move
+                program = move_to_device_pass(program, device)
+            self.run = program.module()
         else:
-            self.run = torch.export.load(str(path)).module()
+            raise ValueError(f"{artifact.value} is not a graph artifact")
         self.tags = tuple(tags)
 
     def __call__(self, **batch: BatchInput) -> torch.Tensor:

@@ -5,6 +5,10 @@ The tags are declared here, next to the forward signatures they describe; the co
 
 * ``dlrm``: TorchRec's ``DLRM.forward(dense_features [N, D], sparse_features KJT) -> [N, 1]``.
 * ``context_ranker``: ``ContextRanker`` below; request-level context computed once per request.
+
+Both split into a sparse part (the embedding lookups) and a dense part (everything after them);
+``split_model`` returns the two, sharing the model's modules, so that each can be captured as a
+graph of its own and placed on its own device (``handlers.split``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ DENSE_INPUT = "dense_features"
 SPARSE_INPUT = "sparse_features"
 CONTEXT_INPUT = "context_features"
 ITEM_COUNTS_INPUT = "item_counts"
+# The sparse part's output, a dense part's input: [N, F, D] for DLRM, [N, sum of dims] otherwise.
+EMBEDDINGS_INPUT = "sparse_embeddings"
 
 # Where the embedding tables live in every architecture (the factory swaps and shards them there).
 EBC_PATH = "sparse_arch.embedding_bag_collection"
@@ -42,6 +48,29 @@ def input_tags(spec: ModelSpec) -> tuple[InputTag, ...]:
         InputTag(CONTEXT_INPUT, BatchKind.CONTEXT),  # [K, C]: the model broadcasts it
         InputTag(ITEM_COUNTS_INPUT, BatchKind.ITEM_COUNTS),
     )
+
+
+def sparse_tags(spec: ModelSpec) -> tuple[InputTag, ...]:
+    """The sparse part's inputs: the bags of ids."""
+    return tuple(t for t in input_tags(spec) if t.kind == BatchKind.JAGGED)
+
+
+def dense_tags(spec: ModelSpec) -> tuple[InputTag, ...]:
+    """The dense part's inputs: the model's, with the pooled embeddings in place of the ids."""
+    return tuple(
+        InputTag(EMBEDDINGS_INPUT, BatchKind.ROWS) if t.kind == BatchKind.JAGGED else t
+        for t in input_tags(spec)
+    )
+
+
+def split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """``model`` as (sparse part, dense part), sharing its modules (and weights):
+    ``model(**inputs) == dense(**others, sparse_embeddings=sparse(sparse_features))``."""
+    if isinstance(model, DLRM):
+        return model.sparse_arch, DLRMDense(model)
+    if isinstance(model, ContextRanker):
+        return model.sparse_arch, ContextRankerDense(model)
+    raise TypeError(f"cannot split a {type(model).__name__}")
 
 
 def build_model(spec: ModelSpec, ebc: nn.Module, device: str) -> nn.Module:
@@ -118,11 +147,56 @@ class ContextRanker(nn.Module):
         context_features: torch.Tensor,
         item_counts: torch.Tensor,
     ) -> torch.Tensor:
-        context = self.context_arch(context_features)
-        context = torch.repeat_interleave(
-            context, item_counts, dim=0, output_size=dense_features.shape[0]
-        )
-        joined = torch.cat(
-            [self.dense_arch(dense_features), self.sparse_arch(sparse_features), context], dim=1
-        )
+        embeddings = self.sparse_arch(sparse_features)
+        return _rank(self, dense_features, embeddings, context_features, item_counts)
+
+
+class ContextRankerDense(nn.Module):
+    """The context ranker after its lookups: ``forward(dense_features [N, D], sparse_embeddings
+    [N, E], context_features [K, C], item_counts [K]) -> logits [N, 1]``."""
+
+    def __init__(self, ranker: ContextRanker) -> None:
+        super().__init__()
+        self.dense_arch = ranker.dense_arch
+        self.context_arch = ranker.context_arch
+        self.over_arch = ranker.over_arch
+
+    def forward(
+        self,
+        dense_features: torch.Tensor,
+        sparse_embeddings: torch.Tensor,
+        context_features: torch.Tensor,
+        item_counts: torch.Tensor,
+    ) -> torch.Tensor:
+        return _rank(self, dense_features, sparse_embeddings, context_features, item_counts)
+
+
+def _rank(
+    arches: ContextRanker | ContextRankerDense,
+    dense_features: torch.Tensor,
+    sparse_embeddings: torch.Tensor,
+    context_features: torch.Tensor,
+    item_counts: torch.Tensor,
+) -> torch.Tensor:
+    context = arches.context_arch(context_features)  # once per request: [K, c]
+    context = torch.repeat_interleave(
+        context, item_counts, dim=0, output_size=dense_features.shape[0]
+    )
+    joined = torch.cat([arches.dense_arch(dense_features), sparse_embeddings, context], dim=1)
+    return arches.over_arch(joined)
+
+
+class DLRMDense(nn.Module):
+    """TorchRec's DLRM after its lookups: ``forward(dense_features [N, D], sparse_embeddings
+    [N, F, D']) -> logits [N, 1]`` (bottom MLP, pairwise interaction, top MLP)."""
+
+    def __init__(self, dlrm: DLRM) -> None:
+        super().__init__()
+        self.dense_arch = dlrm.dense_arch
+        self.inter_arch = dlrm.inter_arch
+        self.over_arch = dlrm.over_arch
+
+    def forward(self, dense_features: torch.Tensor, sparse_embeddings: torch.Tensor) -> torch.Tensor:
+        embedded_dense = self.dense_arch(dense_features)
+        joined = self.inter_arch(dense_features=embedded_dense, sparse_features=sparse_embeddings)
         return self.over_arch(joined)

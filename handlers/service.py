@@ -16,13 +16,20 @@ import orjson
 import torch
 from torch import nn
 
-from handlers.batching import RequestInputs, chunk_by_items, coalesce, split_outputs
+from handlers.batching import (
+    RequestInputs,
+    chunk_by_items,
+    coalesce,
+    padding_request,
+    split_outputs,
+)
 from handlers.decode import DecodedRequest, RequestDecoder
 from handlers.errors import InternalError, ServingError
-from handlers.export import Artifact, GraphModel
+from handlers.export import Artifact, GraphModel, min_requests
 from handlers.factory import DLRMFactory
 from handlers.models import input_tags
 from handlers.spec import ModelSpec
+from handlers.split import SplitModel, SplitPlan
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +41,18 @@ class Response:
 
 
 class ScoringService:
-    """Scores requests with one model; one response per request, in order."""
+    """Scores requests with one model; one response per request, in order.
 
-    def __init__(self, spec: ModelSpec, model: nn.Module | GraphModel) -> None:
+    ``min_requests``: the fewest requests the model takes in one forward (a graph captured with
+    TorchAO's int8 dynamic quantization takes 2); a smaller batch is padded with empty requests.
+    """
+
+    def __init__(
+        self, spec: ModelSpec, model: nn.Module | GraphModel | SplitModel, min_requests: int = 1
+    ) -> None:
         self.spec = spec
         self.model = model
+        self.min_requests = min_requests
         self.decoder = RequestDecoder(spec)
         self.tags = input_tags(spec)
         self.device = torch.device(spec.sharding.device)
@@ -54,13 +68,20 @@ class ScoringService:
         return cls(spec, model)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, artifact: Artifact) -> "ScoringService":
-        """What an archive folder serves: ``spec.yaml`` plus the artifact's file."""
+    def from_dir(
+        cls, model_dir: str | Path, artifact: Artifact, split: SplitPlan | None = None
+    ) -> "ScoringService":
+        """What an archive folder serves: ``spec.yaml`` plus the artifact's file(s); ``split`` says
+        what the parts of a ``split`` artifact are."""
         model_dir = Path(model_dir)
         if artifact == Artifact.EAGER:
-            return cls.from_files(model_dir / "spec.yaml", model_dir / artifact.file_name)
+            return cls.from_files(model_dir / "spec.yaml", model_dir / artifact.file_name())
         spec = ModelSpec.from_yaml(model_dir / "spec.yaml")
-        return cls(spec, GraphModel(model_dir / artifact.file_name, artifact, input_tags(spec)))
+        if artifact == Artifact.SPLIT:
+            model: GraphModel | SplitModel = SplitModel.load(model_dir, spec, split or SplitPlan())
+        else:
+            model = GraphModel(model_dir / artifact.file_name(), artifact, input_tags(spec))
+        return cls(spec, model, min_requests(spec))
 
     def handle(self, payloads: Sequence[Any]) -> list[Response]:
         responses: list[Response | None] = [None] * len(payloads)
@@ -88,12 +109,16 @@ class ScoringService:
 
     def logits(self, requests: Sequence[RequestInputs]) -> list[torch.Tensor]:
         """One forward over all items of ``requests``; logits [n_k] per request."""
-        batch = coalesce(requests, self.tags)
+        padded = list(requests)
+        if len(padded) < self.min_requests:
+            padded += [padding_request(requests[0], self.tags)] * (self.min_requests - len(padded))
+        batch = coalesce(padded, self.tags)
         if self.device.type != "cpu":
             batch = {name: value.to(self.device) for name, value in batch.items()}
         with torch.inference_mode():
             output = self.model(**batch).reshape(-1).cpu()
-        return split_outputs(output, [r.num_items for r in requests])
+        counts = [r.num_items for r in requests]
+        return split_outputs(output[: sum(counts)], counts)
 
 
 def _scores_response(logits: torch.Tensor, return_logits: bool) -> Response:

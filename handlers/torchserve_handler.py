@@ -23,6 +23,7 @@ from ts.metrics.dimension import Dimension
 
 from handlers.export import Artifact
 from handlers.service import ScoringService
+from handlers.split import SplitPlan
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +39,19 @@ class DLRMHandler:
         threads = int(options.get("intra_op_threads", 1))
         torch.set_num_threads(threads)
         artifact = Artifact(options.get("artifact", Artifact.EAGER.value))
-        self.service = ScoringService.from_dir(model_dir, artifact)
+        split = SplitPlan.from_options(options) if artifact == Artifact.SPLIT else None
+        self.service = ScoringService.from_dir(model_dir, artifact, split)
+        files = (
+            f"sparse {split.sparse_file}, dense {split.dense_file} on {split.dense_device}"
+            if split
+            else artifact.file_name()
+        )
         logger.info(
             "loaded model %s from %s, running %s (%s) in %.2fs, %d intra-op threads",
             self.service.spec.name,
             model_dir,
             artifact.value,
-            artifact.file_name,
+            files,
             time.perf_counter() - started,
             threads,
         )

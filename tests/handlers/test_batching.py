@@ -9,7 +9,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from archive_tools.synthetic import items_request
-from handlers.batching import BatchKind, InputTag, JaggedIds, RequestInputs, chunk_by_items, coalesce
+from handlers.batching import (
+    BatchKind,
+    InputTag,
+    JaggedIds,
+    RequestInputs,
+    chunk_by_items,
+    coalesce,
+    padding_request,
+)
 from handlers.factory import DLRMFactory
 from handlers.service import ScoringService
 from tests.helpers import forward, model_inputs
@@ -148,3 +156,22 @@ def test_failed_forward_is_a_500_for_its_chunk_only(tiny_spec, tiny_weights):
     assert [r.status for r in responses] == [500, 200]
     assert b"model forward failed" in responses[0].body
     assert len(orjson.loads(responses[1].body)["scores"]) == 100
+
+
+def test_padding_request_is_one_empty_item_that_changes_no_score(served_models):
+    for spec, model in served_models:
+        service = ScoringService(spec, model)
+        request = service.decoder.decode(_request(spec, 5, 6, seed=9)).inputs
+        pad = padding_request(request, service.tags)
+        assert pad.num_items == 1
+        for tag in service.tags:
+            if tag.kind == BatchKind.JAGGED:
+                ids = pad.tensors[tag.name]
+                assert ids.lengths.tolist() == [[0]] * len(tag.keys) and ids.values.numel() == 0
+                assert (ids.weights is None) == (request.tensors[tag.name].weights is None)
+            elif tag.kind != BatchKind.ITEM_COUNTS:
+                assert pad.tensors[tag.name].shape[0] == 1 and not pad.tensors[tag.name].any()
+        alone = forward(model, model_inputs(spec, [_request(spec, 5, 6, seed=9)]))
+        padded = forward(model, coalesce([request, pad], service.tags))
+        assert padded.shape[0] == 6
+        torch.testing.assert_close(padded[:5], alone, atol=1e-6, rtol=0)

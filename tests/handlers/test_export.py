@@ -1,6 +1,7 @@
 """The captured graphs: exported program and AOTInductor package score exactly as the eager model,
 at any batch size (1 included), and run in a process that never imports torchrec."""
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -10,10 +11,19 @@ import torch
 
 from archive_tools.synthetic import items_request
 from handlers.batching import coalesce
-from handlers.export import Artifact, GraphModel, compile_aoti, export_model, plain_arguments
+from handlers.export import (
+    MAX_BATCH,
+    Artifact,
+    GraphModel,
+    compile_aoti,
+    export_model,
+    min_requests,
+    plain_arguments,
+)
 from handlers.factory import DLRMFactory
 from handlers.models import input_tags
 from handlers.service import ScoringService
+from handlers.spec import DENSE_SUBMODULES, DensePrecision
 
 
 def _batch(service, sizes, seed):
@@ -73,3 +83,37 @@ def test_exported_program_runs_without_torchrec(exported, tmp_path):
     """)
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_int8_dynamic_graph_pads_batch_one(tiny_spec, ranker_spec, tmp_path):
+    """TorchAO's int8 dynamic activation quantization guards against batch 1, so its graph is
+    captured for 2+ requests and the service pads a single request; scores still equal eager."""
+    for spec in (tiny_spec, ranker_spec):
+        spec = dataclasses.replace(
+            spec,
+            dense_precision=tuple((m, DensePrecision.INT8_DYNAMIC) for m in DENSE_SUBMODULES[spec.architecture]),
+        )
+        assert min_requests(spec) == 2
+        factory = DLRMFactory(spec)
+        weights = factory.quantize(factory.float_model(seed=0))
+        eager = ScoringService(spec, factory.inference_model(weights))
+        program = export_model(
+            factory.inference_model(weights), eager.tags, _batch(eager, (3, 5, 2), 0), min_requests(spec)
+        )
+        # captured for 2+ items (and requests): a batch of 1 is outside what the graph was made for
+        assert {r.lower for r in program.range_constraints.values() if r.upper == MAX_BATCH} == {2}
+        path = tmp_path / f"{spec.name}.pt2"
+        torch.export.save(program, str(path))
+        graph = GraphModel(path, Artifact.EXPORTED, eager.tags)
+        batch_sizes = []
+
+        def recording(**batch):
+            batch_sizes.append(len(batch["dense_features"]))
+            return graph(**batch)
+
+        served = ScoringService(spec, recording, min_requests(spec))
+        for sizes in ((1,), (7,), (2, 7)):
+            requests = [eager.decoder.decode(items_request(spec, n, seed=n)).inputs for n in sizes]
+            for got, want in zip(served.logits(requests), eager.logits(requests)):
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        assert batch_sizes == [2, 8, 9]  # one padding item where there was one request

@@ -112,7 +112,7 @@ def test_served_scores_equal_in_process_scores(server, reference, tiny_spec):
 def test_exported_and_compiled_archives_answer_like_eager(server, reference, tiny_spec, artifact):
     name = f"tiny_{artifact.value}"
     with zipfile.ZipFile(server.model_store / f"{name}.mar") as z:
-        assert artifact.file_name in z.namelist() and "weights.pt" not in z.namelist()
+        assert artifact.file_name() in z.namelist() and "weights.pt" not in z.namelist()
     response = server.register(f"{name}.mar", initial_workers=1)
     assert response.status_code == 200, response.text
     requests_ = [items_request(tiny_spec, n, seed=40 + n, max_bag=5) for n in (1, 6, 33)]

@@ -1,0 +1,60 @@
+"""The capture stage of the archive build: the staged eager model exported as one graph or as its
+sparse and dense parts (``handlers.split``), each saved as an exported program or compiled with
+AOTInductor.
+
+    capture(staging, Artifact.AOTI, None)                 # model_aoti.pt2
+    capture(staging, Artifact.SPLIT, SplitPlan(sparse=Artifact.EAGER, dense=Artifact.AOTI))
+                                                          # weights.pt (kept) + dense_aoti.pt2
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from archive_tools.synthetic import items_request
+from handlers.batching import coalesce
+from handlers.export import Artifact, compile_aoti, export_model, min_requests
+from handlers.models import EMBEDDINGS_INPUT, SPARSE_INPUT, dense_tags, sparse_tags, split_model
+from handlers.service import ScoringService
+from handlers.split import SplitPlan
+
+
+def capture(staging: Path, artifact: Artifact, split: SplitPlan | None) -> None:
+    """Exports the staged eager model, whole or as its two parts (and compiles what is ``aoti``).
+    Once a graph file holds the tables, ``weights.pt`` leaves the archive: no table is stored twice.
+    """
+    weights = staging / Artifact.EAGER.file_name()
+    eager = ScoringService.from_files(staging / "spec.yaml", weights)
+    spec = eager.spec
+    example = coalesce(
+        [eager.decoder.decode(items_request(spec, n, seed=n, max_bag=3)).inputs for n in (3, 5, 2)],
+        eager.tags,
+    )
+    min_batch = min_requests(spec)
+    if split is None:
+        program = export_model(eager.model, eager.tags, example, min_batch)
+        _save_graph(program, staging, artifact, "model")
+    else:
+        sparse, dense = split_model(eager.model)
+        with torch.inference_mode():
+            embeddings = sparse(example[SPARSE_INPUT])
+        dense_example = {**example, EMBEDDINGS_INPUT: embeddings}
+        if split.sparse != Artifact.EAGER:
+            program = export_model(sparse, sparse_tags(spec), example)
+            _save_graph(program, staging, split.sparse, "sparse")
+        program = export_model(dense, dense_tags(spec), dense_example, min_batch)
+        _save_graph(program, staging, split.dense, "dense")
+    if split is None or split.sparse != Artifact.EAGER:
+        weights.unlink()
+
+
+def _save_graph(
+    program: torch.export.ExportedProgram, staging: Path, artifact: Artifact, part: str
+) -> None:
+    path = staging / artifact.file_name(part)
+    if artifact == Artifact.AOTI:
+        compile_aoti(program, path)
+    else:
+        torch.export.save(program, str(path))

@@ -1,0 +1,135 @@
+"""The split model: the sparse and dense parts, captured as graphs of their own and run by the
+executor, score exactly as the whole eager model; each part's file holds only its own weights."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from archive_tools.capture import capture
+from archive_tools.synthetic import items_request
+from handlers.export import Artifact
+from handlers.factory import DLRMFactory
+from handlers.models import dense_tags, sparse_tags, split_model
+from handlers.service import ScoringService
+from handlers.split import SplitModel, SplitPlan, eager_part
+
+SIZES = [(1,), (2, 7), (200, 1, 30)]
+
+
+@pytest.fixture(scope="module", params=["tiny", "ranker"])
+def model(request, tiny_spec, tiny_weights, ranker_spec, ranker_weights):
+    """(spec, quantized weights, eager service) for DLRM and the context ranker."""
+    spec, weights = (tiny_spec, tiny_weights) if request.param == "tiny" else (ranker_spec, ranker_weights)
+    return spec, weights, ScoringService(spec, DLRMFactory(spec).inference_model(weights))
+
+
+def _stage(folder: Path, spec, weights) -> Path:
+    """An archive's staging folder before capture: spec and weights, as the build writes them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spec.to_yaml(folder / "spec.yaml")
+    DLRMFactory(spec).save_weights(weights, folder / "weights.pt")
+    return folder
+
+
+def _requests(service, sizes, seed):
+    return [service.decoder.decode(items_request(service.spec, n, seed=seed + n)).inputs for n in sizes]
+
+
+def test_parts_compose_to_the_whole_model(model):
+    spec, _, eager = model
+    sparse, dense = split_model(eager.model)
+    split = ScoringService(
+        spec,
+        SplitModel(
+            eager_part(sparse, sparse_tags(spec)),
+            eager_part(dense, dense_tags(spec)),
+            sparse_tags(spec),
+            dense_tags(spec),
+        ),
+    )
+    for sizes in SIZES:
+        requests = _requests(eager, sizes, seed=3)
+        for got, want in zip(split.logits(requests), eager.logits(requests)):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [SplitPlan(Artifact.EXPORTED, Artifact.EXPORTED), SplitPlan(Artifact.EAGER, Artifact.EXPORTED)],
+    ids=["exported+exported", "eager+exported"],
+)
+def test_captured_parts_score_like_eager(model, plan, tmp_path):
+    spec, weights, eager = model
+    staging = _stage(tmp_path, spec, weights)
+    capture(staging, Artifact.SPLIT, plan)
+    kept = {p.name for p in staging.iterdir()}
+    assert kept == {"spec.yaml", plan.sparse_file, plan.dense_file}
+    served = ScoringService.from_dir(staging, Artifact.SPLIT, plan)
+    for sizes in SIZES:
+        requests = _requests(eager, sizes, seed=11)
+        for got, want in zip(served.logits(requests), eager.logits(requests)):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_dense_part_compiled_alone_scores_like_eager(tiny_spec, tiny_weights, tmp_path):
+    """AOTInductor for the dense part only, behind the exported lookups."""
+    eager = ScoringService(tiny_spec, DLRMFactory(tiny_spec).inference_model(tiny_weights))
+    plan = SplitPlan(sparse=Artifact.EXPORTED, dense=Artifact.AOTI)
+    staging = _stage(tmp_path, tiny_spec, tiny_weights)
+    capture(staging, Artifact.SPLIT, plan)
+    served = ScoringService.from_dir(staging, Artifact.SPLIT, plan)
+    for sizes in ((1,), (64, 3)):
+        requests = _requests(eager, sizes, seed=5)
+        for got, want in zip(served.logits(requests), eager.logits(requests)):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_each_part_stores_only_its_own_weights(tiny_spec, tiny_weights, tmp_path):
+    """The tables are in sparse.pt2 once (as FBGEMM's TBE buffers) and not in dense.pt2."""
+    staging = _stage(tmp_path, tiny_spec, tiny_weights)
+    factory = DLRMFactory(tiny_spec)
+    loaded = factory.load_weights(staging / "weights.pt")
+    table_bytes = sum(b.numel() for b in loaded.buffers)
+    dense_bytes = sum(t.numel() * t.element_size() for t in loaded.dense.values())
+    del loaded
+    capture(staging, Artifact.SPLIT, SplitPlan(Artifact.EXPORTED, Artifact.EXPORTED))
+    sparse_data, dense_data = (_tensor_bytes(staging / f"{part}.pt2") for part in ("sparse", "dense"))
+    assert table_bytes <= sparse_data <= 1.1 * table_bytes + 4096, (sparse_data, table_bytes)
+    assert dense_bytes <= dense_data <= 1.1 * dense_bytes + 4096, (dense_data, dense_bytes)
+
+
+def _tensor_bytes(pt2: Path) -> int:
+    """Bytes of the weights and constants an exported program's zip stores."""
+    with zipfile.ZipFile(pt2) as z:
+        return sum(
+            i.file_size
+            for i in z.infolist()
+            if ("/data/weights/" in i.filename or "/data/constants/" in i.filename)
+            and not i.filename.endswith(".json")
+        )
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"sparse": "onnx"}, "sparse: unknown artifact 'onnx'"),
+        ({"sparse": "split"}, "sparse: must be one of"),
+        ({"dense": "eager"}, "dense: must be one of ['aoti', 'exported']"),
+        ({"dense_device": "tpu"}, "dense_device: must be one of ['cpu', 'cuda']"),
+        ({"dense_device": "cuda"}, "dense_device: cuda needs dense: exported"),
+    ],
+)
+def test_split_plan_names_the_bad_option(options, message):
+    with pytest.raises(ValueError) as error:
+        SplitPlan.from_options(options)
+    assert message in str(error.value)
+
+
+def test_split_plan_round_trips_through_handler_options():
+    plan = SplitPlan(sparse=Artifact.EAGER, dense=Artifact.EXPORTED, dense_device="cuda")
+    assert SplitPlan.from_options(plan.to_options()) == plan
+    assert SplitPlan.from_options({}) == SplitPlan()
