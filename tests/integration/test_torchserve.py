@@ -22,6 +22,7 @@ from archive_tools.verification import Bounds
 from handlers.export import Artifact
 from archive_tools.synthetic import items_request
 from handlers.service import ScoringService
+from handlers.split import SplitPlan
 from tests.conftest import TINY_SPEC
 from tests.handlers.test_decode import BAD_REQUESTS
 
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.integration
 
 BATCH_SIZE = 8
 MAX_BATCH_DELAY_MS = 100  # long enough that concurrent requests land in one TorchServe batch
+SPLIT_PLAN = SplitPlan(sparse=Artifact.EXPORTED, dense=Artifact.AOTI)
 
 
 def _build(store: Path, seed: int, version: str) -> Path:
@@ -51,11 +53,12 @@ def model_store(tmp_path_factory) -> Path:
     _build(store, seed=0, version="1.0")
     v2 = _build(root / "v2", seed=1, version="2.0")
     shutil.copy(v2, store / "tiny_v2.mar")
-    for artifact in (Artifact.EXPORTED, Artifact.AOTI):  # the same model (seed 0) as graphs
+    for artifact in (Artifact.EXPORTED, Artifact.AOTI, Artifact.SPLIT):  # seed 0 again, as graphs
         build_archive(
             TINY_SPEC, checkpoint=None, seed=0, name=f"tiny_{artifact.value}", version="1.0",
             model_store=store, serving=ServingConfig(batch_size=BATCH_SIZE, max_batch_delay_ms=MAX_BATCH_DELAY_MS),
             artifact=artifact,
+            split=SPLIT_PLAN if artifact == Artifact.SPLIT else None,
         )
     build_archive(  # a folder, not a zip, with tables made straight in their served dtypes
         TINY_SPEC, checkpoint=None, seed=5, name="tiny_folder", version="1.0", model_store=store,
@@ -108,11 +111,16 @@ def test_served_scores_equal_in_process_scores(server, reference, tiny_spec):
         )
 
 
-@pytest.mark.parametrize("artifact", [Artifact.EXPORTED, Artifact.AOTI])
-def test_exported_and_compiled_archives_answer_like_eager(server, reference, tiny_spec, artifact):
+@pytest.mark.parametrize("artifact", [Artifact.EXPORTED, Artifact.AOTI, Artifact.SPLIT])
+def test_exported_compiled_and_split_archives_answer_like_eager(server, reference, tiny_spec, artifact):
     name = f"tiny_{artifact.value}"
+    files = (
+        [SPLIT_PLAN.sparse_file, SPLIT_PLAN.dense_file]
+        if artifact == Artifact.SPLIT
+        else [artifact.file_name()]
+    )
     with zipfile.ZipFile(server.model_store / f"{name}.mar") as z:
-        assert artifact.file_name() in z.namelist() and "weights.pt" not in z.namelist()
+        assert set(files) <= set(z.namelist()) and "weights.pt" not in z.namelist()
     response = server.register(f"{name}.mar", initial_workers=1)
     assert response.status_code == 200, response.text
     requests_ = [items_request(tiny_spec, n, seed=40 + n, max_bag=5) for n in (1, 6, 33)]
@@ -121,7 +129,12 @@ def test_exported_and_compiled_archives_answer_like_eager(server, reference, tin
     for request, served in zip(requests_, responses):
         assert served.status_code == 200, served.text
         assert served.json()["scores"] == pytest.approx(_expected(reference["1.0"], request)["scores"], abs=1e-6)
-    assert f"running {artifact.value}" in server.log_tail(200_000)
+    running = (
+        f"sparse {SPLIT_PLAN.sparse_file}, dense {SPLIT_PLAN.dense_file} on cpu"
+        if artifact == Artifact.SPLIT
+        else artifact.file_name()
+    )
+    assert f"running {artifact.value} ({running})" in server.log_tail(200_000)
     assert server.management("DELETE", f"/models/{name}").status_code == 200
 
 
