@@ -4,7 +4,7 @@ AOTInductor.
 
     capture(staging, Artifact.AOTI, None)                 # model_aoti.pt2
     capture(staging, Artifact.SPLIT, SplitPlan(sparse=Artifact.EAGER, dense=Artifact.AOTI))
-                                                          # weights.pt (kept) + dense_aoti.pt2
+                                                  # weights.pt (tables only) + dense_aoti.pt2
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import torch
 from archive_tools.synthetic import items_request
 from handlers.batching import coalesce
 from handlers.export import Artifact, compile_aoti, export_model, min_requests
+from handlers.factory import DLRMFactory, InferenceWeights
 from handlers.models import EMBEDDINGS_INPUT, SPARSE_INPUT, dense_tags, sparse_tags, split_model
 from handlers.service import ScoringService
+from handlers.spec import ModelSpec
 from handlers.split import SplitPlan
 
 
@@ -48,6 +50,19 @@ def capture(staging: Path, artifact: Artifact, split: SplitPlan | None) -> None:
         _save_graph(program, staging, split.dense, "dense")
     if split is None or split.sparse != Artifact.EAGER:
         weights.unlink()
+    else:
+        _keep_only_tables(weights, spec)
+
+
+def _keep_only_tables(weights: Path, spec: ModelSpec) -> None:
+    """Eager lookups read their tables from ``weights.pt``; the dense weights are in the dense
+    part's graph now, so they leave the file (rewritten once, tables streamed from the mapping)."""
+    factory = DLRMFactory(spec)
+    loaded = factory.load_weights(weights)
+    rewritten = weights.with_suffix(".tables")
+    factory.save_weights(InferenceWeights(loaded.tables, {}, loaded.buffers), rewritten)
+    del loaded
+    rewritten.replace(weights)
 
 
 def _save_graph(

@@ -3,8 +3,10 @@
     python -m benchmarks.artifacts [--spec config/models/criteo.yaml] [--out DIR]
 
 Eager float (the trained model), eager quantized (TorchRec + FBGEMM on the mapped weights), the
-exported program and the AOTInductor package, at batch 1, 32, 256 and 2048 items, on one intra-op
-thread; plus each archive's size, build time and load time. Writes artifacts.json, artifacts.png
+exported program, the AOTInductor package and the split model (sparse and dense parts as graphs of
+their own: exported lookups, or eager lookups on the mapped tables, each before a compiled dense
+part), at batch 1, 32, 256 and 2048 items, on one intra-op thread; plus each archive's size, build
+time and load time. Writes artifacts.json, artifacts.png
 and a text table to DIR (default benchmarks/results/artifacts).
 """
 
@@ -32,6 +34,7 @@ from handlers.export import Artifact  # noqa: E402
 from handlers.factory import DLRMFactory  # noqa: E402
 from handlers.service import ScoringService  # noqa: E402
 from handlers.spec import ModelSpec  # noqa: E402
+from handlers.split import SplitPlan  # noqa: E402
 
 BATCHES = (1, 32, 256, 2048)
 
@@ -64,27 +67,33 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = {"spec": str(args.spec), "batches": list(BATCHES), "artifacts": {}}
     results["artifacts"]["eager float"] = {"forward_ms": {}}
-    kinds = [Artifact.EAGER, Artifact.EXPORTED, Artifact.AOTI]
+    kinds = {
+        "eager quantized": (Artifact.EAGER, None),
+        "exported": (Artifact.EXPORTED, None),
+        "aoti": (Artifact.AOTI, None),
+        "split exp+aoti": (Artifact.SPLIT, SplitPlan(Artifact.EXPORTED, Artifact.AOTI)),
+        "split eager+aoti": (Artifact.SPLIT, SplitPlan(Artifact.EAGER, Artifact.AOTI)),
+    }
     progress = tqdm(total=len(kinds) + 1, desc="artifacts", unit="kind")
     for size, batch in batches.items():
         results["artifacts"]["eager float"]["forward_ms"][size] = forward_ms(probe.model, batch)
     progress.update()
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in kinds:
-            progress.set_postfix_str(kind.value)
+        for index, (label, (kind, split)) in enumerate(kinds.items()):
+            progress.set_postfix_str(label)
             started = time.perf_counter()
             archive = build_archive(
-                args.spec, checkpoint=None, seed=0, name=f"{spec.name}_{kind.value}", version="1.0",
+                args.spec, checkpoint=None, seed=0, name=f"{spec.name}_{index}", version="1.0",
                 model_store=Path(tmp) / "model_store", serving=ServingConfig(), artifact=kind,
+                split=split,
             )
             build_s = time.perf_counter() - started
-            unpacked = Path(tmp) / kind.value
+            unpacked = Path(tmp) / str(index)
             with zipfile.ZipFile(archive) as z:
                 z.extractall(unpacked)
             started = time.perf_counter()
-            service = ScoringService.from_dir(unpacked, kind)
+            service = ScoringService.from_dir(unpacked, kind, split)
             load_s = time.perf_counter() - started
-            label = "eager quantized" if kind == Artifact.EAGER else kind.value
             results["artifacts"][label] = {
                 "archive_mib": archive.stat().st_size / 2**20,
                 "build_s": build_s,
@@ -95,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     progress.close()
     options = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
     (args.out / "artifacts.json").write_bytes(orjson.dumps(results, option=options))
-    lines = [f"{'artifact':<16}" + "".join(f"{f'batch {b} ms':>14}" for b in BATCHES)
+    lines = [f"{'artifact':<18}" + "".join(f"{f'batch {b} ms':>14}" for b in BATCHES)
              + f"{'archive MiB':>13}{'build s':>9}{'load s':>8}"]
     for label, r in results["artifacts"].items():
         lines.append(
-            f"{label:<16}" + "".join(f"{r['forward_ms'][b]:>14.3f}" for b in BATCHES)
+            f"{label:<18}" + "".join(f"{r['forward_ms'][b]:>14.3f}" for b in BATCHES)
             + (f"{r['archive_mib']:>13.1f}{r['build_s']:>9.1f}{r['load_s']:>8.2f}" if "build_s" in r else "")
         )
     text = "\n".join(lines) + "\n"

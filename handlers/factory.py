@@ -27,7 +27,7 @@ from torch import nn
 
 from handlers.dense_precision import apply_dense_precision
 from handlers.errors import CheckpointError
-from handlers.models import EBC_PATH, build_model
+from handlers.models import EBC_PATH, build_model, split_model
 from handlers.spec import ModelSpec, Pooling, ShardingType, TableSpec, WeightDtype
 
 # Importing fbgemm_gpu registers the TBE operators that TorchRec's quantized modules call.
@@ -238,6 +238,25 @@ class DLRMFactory:
         Tables are allocated directly in their quantized dtype; the float tables never exist. With
         ``weights.buffers`` (a loaded file) an unsharded CPU model uses them without a copy.
         """
+        model = self._with_tables(weights)
+        missing, unexpected = model.load_state_dict(weights.dense, strict=False)
+        dense_missing = [k for k in missing if not k.startswith(EBC_PATH + ".")]
+        if dense_missing or unexpected:
+            raise CheckpointError(
+                f"inference weights do not match the spec: missing {dense_missing}, "
+                f"unexpected {unexpected}"
+            )
+        return apply_dense_precision(model, self.spec).eval()
+
+    def lookups(self, weights: InferenceWeights) -> nn.Module:
+        """Only the served model's sparse part (``handlers.models.split_model``): its tables, as in
+        ``inference_model``; ``weights.dense`` is not needed."""
+        sparse, _ = split_model(self._with_tables(weights))
+        return sparse.eval()
+
+    def _with_tables(self, weights: InferenceWeights) -> nn.Module:
+        """The model with its served tables filled in (zero-copy where possible), dense layers not
+        loaded yet."""
         device = self.spec.sharding.device
         model = self._quant_model(device)
         buffers = weights.buffers
@@ -256,16 +275,9 @@ class DLRMFactory:
             for tbe in _tbes(model):
                 _allocate(tbe)
         _refresh_table_buffers(model)
-        missing, unexpected = model.load_state_dict(weights.dense, strict=False)
-        dense_missing = [k for k in missing if not k.startswith(EBC_PATH + ".")]
-        if dense_missing or unexpected:
-            raise CheckpointError(
-                f"inference weights do not match the spec: missing {dense_missing}, "
-                f"unexpected {unexpected}"
-            )
         if not zero_copy:
             _copy_table_rows(model, weights.tables, {t.name: t.rows for t in self.spec.tables})
-        return apply_dense_precision(model, self.spec).eval()
+        return model
 
     # -- helpers -------------------------------------------------------------------------------
 

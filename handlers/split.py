@@ -6,8 +6,9 @@ other by a small executor, each part on its own device and in its own artifact k
     dense inputs .to(dense_device) ──> dense part (dense, embeddings, context) -> logits [N, 1]
 
 The parts are ``handlers.models.split_model``'s; an archive stores each one as its own file
-(``sparse.pt2`` / ``dense_aoti.pt2`` ..., or the mapped ``weights.pt`` for eager lookups in tables
-too large to embed in a graph), so either can be rebuilt, recompiled or moved without the other.
+(``sparse.pt2`` / ``dense_aoti.pt2`` ..., or for eager lookups in tables too large to embed in a
+graph the mapped ``weights.pt``, tables only), so either can be rebuilt, recompiled or moved without
+the other.
 ``SplitPlan`` (the archive's ``model-config.yaml``, ``handler`` section) says which is which::
 
     handler: {artifact: split, sparse: exported, dense: aoti, dense_device: cpu}
@@ -25,7 +26,7 @@ from torch import nn
 from handlers.batching import BatchInput, InputTag
 from handlers.export import Artifact, GraphModel
 from handlers.factory import DLRMFactory
-from handlers.models import EMBEDDINGS_INPUT, dense_tags, sparse_tags, split_model
+from handlers.models import EMBEDDINGS_INPUT, dense_tags, sparse_tags
 from handlers.spec import ModelSpec
 
 SPARSE_ARTIFACTS = (Artifact.AOTI, Artifact.EXPORTED, Artifact.EAGER)
@@ -116,8 +117,8 @@ class SplitModel:
         model_dir = Path(model_dir)
         if plan.sparse == Artifact.EAGER:
             factory = DLRMFactory(spec)
-            model = factory.inference_model(factory.load_weights(model_dir / plan.sparse_file))
-            sparse: Part = eager_part(split_model(model)[0], sparse_tags(spec))
+            lookups = factory.lookups(factory.load_weights(model_dir / plan.sparse_file))
+            sparse: Part = eager_part(lookups, sparse_tags(spec))
         else:
             sparse = GraphModel(
                 model_dir / plan.sparse_file, plan.sparse, sparse_tags(spec), spec.sharding.device

@@ -89,7 +89,8 @@ def test_dense_part_compiled_alone_scores_like_eager(tiny_spec, tiny_weights, tm
 
 
 def test_each_part_stores_only_its_own_weights(tiny_spec, tiny_weights, tmp_path):
-    """The tables are in sparse.pt2 once (as FBGEMM's TBE buffers) and not in dense.pt2."""
+    """The tables are in sparse.pt2 once (as FBGEMM's TBE buffers) and not in dense.pt2; with eager
+    lookups, weights.pt keeps the tables and the dense weights are only in the dense part."""
     staging = _stage(tmp_path, tiny_spec, tiny_weights)
     factory = DLRMFactory(tiny_spec)
     loaded = factory.load_weights(staging / "weights.pt")
@@ -100,6 +101,11 @@ def test_each_part_stores_only_its_own_weights(tiny_spec, tiny_weights, tmp_path
     sparse_data, dense_data = (_tensor_bytes(staging / f"{part}.pt2") for part in ("sparse", "dense"))
     assert table_bytes <= sparse_data <= 1.1 * table_bytes + 4096, (sparse_data, table_bytes)
     assert dense_bytes <= dense_data <= 1.1 * dense_bytes + 4096, (dense_data, dense_bytes)
+
+    eager_lookups = _stage(tmp_path / "eager", tiny_spec, tiny_weights)
+    capture(eager_lookups, Artifact.SPLIT, SplitPlan(Artifact.EAGER, Artifact.EXPORTED))
+    kept = torch.load(eager_lookups / "weights.pt", mmap=True, weights_only=True)
+    assert sorted(kept) == [f"tbe.{i}" for i in range(len(kept))], "dense weights left weights.pt"
 
 
 def _tensor_bytes(pt2: Path) -> int:
