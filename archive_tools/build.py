@@ -171,9 +171,11 @@ def build_archive(
 
         stages.set_postfix_str("torch-model-archiver")
         unzipped = archive_format == "no-archive"
-        tables_file = _tables_file(artifact, split)
-        if unzipped:  # moved into the folder afterwards: one rename instead of a copy of many GB
-            (staging / tables_file).rename(Path(tmp) / tables_file)
+        # unzipped: the model's files join the folder afterwards, renamed rather than copied (GBs)
+        model_files = [f for f in staging.iterdir() if f.suffix in (".pt", ".pt2")]
+        if unzipped:
+            for file in model_files:
+                file.rename(Path(tmp) / file.name)
         subprocess.run(
             [
                 str(Path(sys.executable).parent / "torch-model-archiver"),
@@ -190,7 +192,8 @@ def build_archive(
         )
         archive = model_store / (name if unzipped else f"{name}.mar")
         if unzipped:
-            (Path(tmp) / tables_file).replace(archive / tables_file)
+            for file in model_files:
+                (Path(tmp) / file.name).replace(archive / file.name)
         stages.update()
     stages.close()
     size = sum(f.stat().st_size for f in archive.rglob("*")) if unzipped else archive.stat().st_size
@@ -202,11 +205,6 @@ def build_archive(
         file=sys.stderr,
     )
     return archive
-
-
-def _tables_file(artifact: Artifact, split: SplitPlan | None) -> str:
-    """The archive's file that holds the embedding tables (its largest by far)."""
-    return split.sparse_file if split else artifact.file_name()
 
 
 def main(argv: list[str] | None = None) -> int:

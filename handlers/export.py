@@ -62,6 +62,12 @@ class Artifact(str, enum.Enum):
             raise ValueError("a split archive holds one file per part")
         return f"{part}_aoti.pt2" if self == Artifact.AOTI else f"{part}.pt2"
 
+    def files(self, part: str = "model") -> list[str]:
+        """Every file that holds ``part`` as this artifact (a compiled package has its weights
+        beside it)."""
+        main = self.file_name(part)
+        return [main, aoti_weights_file(Path(main)).name] if self == Artifact.AOTI else [main]
+
 
 def min_requests(spec: ModelSpec) -> int:
     """The fewest requests (and items) a graph of this model is captured for: 2 where TorchAO's
@@ -142,6 +148,7 @@ def export_model(
     (1: any size), tables stored once. ``example`` must have more than ``min_batch`` requests."""
     _register_fake_classes()
     _drop_table_views(model)
+    _name_table_buffers(model)
     _skip_bounds_checks(model)
     plain = PlainInputs(model, tags).eval()
     arguments = plain_arguments(example, tags)
@@ -159,8 +166,23 @@ def export_model(
 
 
 def compile_aoti(program: torch.export.ExportedProgram, path: Path) -> Path:
-    """AOTInductor: the exported program compiled to a native package (C++ compiler needed)."""
-    return Path(torch._inductor.aoti_compile_and_package(program, package_path=str(path)))
+    """AOTInductor: the exported program compiled to a native package (C++ compiler needed), its
+    weights beside it (``aoti_weights_file``), by name, to be memory-mapped at load rather than
+    copied out of the package's shared library."""
+    with torch._inductor.config.patch({"aot_inductor.package_constants_in_so": False}):
+        package = Path(torch._inductor.aoti_compile_and_package(program, package_path=str(path)))
+    state = {**program.state_dict, **program.constants}
+    needed = torch._inductor.aoti_load_package(str(package)).get_constant_fqns()
+    missing = [name for name in needed if not isinstance(state.get(name), torch.Tensor)]
+    if missing:
+        raise RuntimeError(f"{package}: needs weights that the exported program lacks: {missing}")
+    torch.save({name: state[name] for name in needed}, aoti_weights_file(package))
+    return package
+
+
+def aoti_weights_file(package: Path) -> Path:
+    """``model_aoti.pt2`` -> ``model_aoti_weights.pt``."""
+    return package.with_name(f"{package.stem}_weights.pt")
 
 
 class GraphModel:
@@ -177,6 +199,10 @@ class GraphModel:
                     f"this tool compiles for cpu; serve the exported program on {device} instead"
                 )
             self.run = torch._inductor.aoti_load_package(str(path))
+            # Mapped, not read: the tables cost page cache shared by every worker, and the package
+            # uses these tensors in place (user-managed), so they must live as long as it does.
+            self.weights = torch.load(aoti_weights_file(Path(path)), mmap=True, weights_only=True)
+            self.run.load_constants(self.weights, check_full_update=True, user_managed=True)
         elif artifact == Artifact.EXPORTED:
             program = torch.export.load(str(path))
             if device != "cpu":  # captured on cpu: its weights and device arguments move
@@ -210,6 +236,19 @@ def _skip_bounds_checks(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, IntNBitTableBatchedEmbeddingBagsCodegen):
             module.bounds_check_mode_int = BoundsCheckMode.NONE.value
+
+
+def _name_table_buffers(model: nn.Module) -> None:
+    """FBGEMM keeps a TBE's tables (and their placement and offset arrays) as plain attributes,
+    which export lifts as anonymous constants (``_tensor_constant0``); as registered buffers they
+    keep their module names, by which a compiled package's weights are saved and loaded."""
+    for module in model.modules():
+        if isinstance(module, IntNBitTableBatchedEmbeddingBagsCodegen):
+            for name in ("weights_host", "weights_placements", "weights_offsets"):
+                if name not in module._buffers:
+                    tensor = getattr(module, name)
+                    delattr(module, name)
+                    module.register_buffer(name, tensor, persistent=False)
 
 
 def _drop_table_views(model: nn.Module) -> None:

@@ -93,6 +93,10 @@ class SplitPlan:
     def dense_file(self) -> str:
         return self.dense.file_name("dense")
 
+    @property
+    def files(self) -> list[str]:
+        return self.sparse.files("sparse") + self.dense.files("dense")
+
 
 class SplitModel:
     """Runs the sparse part, then the dense part; called like the whole model with the batch."""

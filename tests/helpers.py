@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -33,3 +34,17 @@ def model_inputs(spec: ModelSpec, requests: list[dict]) -> dict:
 def forward(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
     with torch.inference_mode():
         return model(**inputs).reshape(-1)
+
+
+def is_file_mapped(tensor: torch.Tensor, path) -> bool:
+    """Whether ``tensor``'s memory lies in a mapping of the file ``path`` (``/proc/self/maps``)."""
+    address = tensor.data_ptr()
+    target = str(Path(path).resolve())
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == target:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    return True
+    return False

@@ -14,6 +14,7 @@ from handlers.batching import coalesce
 from handlers.export import (
     MAX_BATCH,
     Artifact,
+    aoti_weights_file,
     GraphModel,
     compile_aoti,
     export_model,
@@ -24,6 +25,7 @@ from handlers.factory import DLRMFactory
 from handlers.models import input_tags
 from handlers.service import ScoringService
 from handlers.spec import DENSE_SUBMODULES, DensePrecision
+from tests.helpers import is_file_mapped
 
 
 def _batch(service, sizes, seed):
@@ -62,6 +64,23 @@ def test_aoti_package_equals_eager(exported, tmp_path):
         batch = _batch(eager, sizes, seed=5)
         with torch.inference_mode():
             torch.testing.assert_close(graph(**batch), eager.model(**batch), atol=1e-6, rtol=1e-5)
+
+
+def test_aoti_package_maps_its_tables_and_uses_them_in_place(exported, tmp_path):
+    """The package holds code only: its weights file is memory-mapped at load, and the compiled
+    model reads the mapped tables themselves (zeroing them changes its scores)."""
+    eager, program, _ = exported
+    path = compile_aoti(program, tmp_path / "model_aoti.pt2")
+    graph = GraphModel(path, Artifact.AOTI, eager.tags)
+    tables = [t for name, t in graph.weights.items() if name.endswith("weights_host")]
+    assert tables and all(is_file_mapped(t, aoti_weights_file(path)) for t in tables)
+    batch = _batch(eager, (4, 2), seed=8)
+    with torch.inference_mode():
+        before = graph(**batch)
+        for table in tables:
+            table.zero_()  # copy-on-write pages of a private mapping: the file is untouched
+        after = graph(**batch)
+    assert not torch.equal(before, after)
 
 
 def test_exported_program_runs_without_torchrec(exported, tmp_path):

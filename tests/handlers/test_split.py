@@ -67,7 +67,7 @@ def test_captured_parts_score_like_eager(model, plan, tmp_path):
     staging = _stage(tmp_path, spec, weights)
     capture(staging, Artifact.SPLIT, plan)
     kept = {p.name for p in staging.iterdir()}
-    assert kept == {"spec.yaml", plan.sparse_file, plan.dense_file}
+    assert kept == {"spec.yaml", *plan.files}
     served = ScoringService.from_dir(staging, Artifact.SPLIT, plan)
     for sizes in SIZES:
         requests = _requests(eager, sizes, seed=11)
@@ -81,6 +81,8 @@ def test_dense_part_compiled_alone_scores_like_eager(tiny_spec, tiny_weights, tm
     plan = SplitPlan(sparse=Artifact.EXPORTED, dense=Artifact.AOTI)
     staging = _stage(tmp_path, tiny_spec, tiny_weights)
     capture(staging, Artifact.SPLIT, plan)
+    assert {p.name for p in staging.iterdir()} == {"spec.yaml", *plan.files}
+    assert plan.files == ["sparse.pt2", "dense_aoti.pt2", "dense_aoti_weights.pt"]
     served = ScoringService.from_dir(staging, Artifact.SPLIT, plan)
     for sizes in ((1,), (64, 3)):
         requests = _requests(eager, sizes, seed=5)

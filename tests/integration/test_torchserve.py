@@ -114,11 +114,7 @@ def test_served_scores_equal_in_process_scores(server, reference, tiny_spec):
 @pytest.mark.parametrize("artifact", [Artifact.EXPORTED, Artifact.AOTI, Artifact.SPLIT])
 def test_exported_compiled_and_split_archives_answer_like_eager(server, reference, tiny_spec, artifact):
     name = f"tiny_{artifact.value}"
-    files = (
-        [SPLIT_PLAN.sparse_file, SPLIT_PLAN.dense_file]
-        if artifact == Artifact.SPLIT
-        else [artifact.file_name()]
-    )
+    files = SPLIT_PLAN.files if artifact == Artifact.SPLIT else artifact.files()
     with zipfile.ZipFile(server.model_store / f"{name}.mar") as z:
         assert set(files) <= set(z.namelist()) and "weights.pt" not in z.namelist()
     response = server.register(f"{name}.mar", initial_workers=1)
