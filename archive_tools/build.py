@@ -36,6 +36,7 @@ from archive_tools.capture import capture
 from archive_tools.verification import Bounds, ValidationData, verify
 from handlers.export import Artifact
 from handlers.factory import DLRMFactory
+from handlers.options import HandlerOptions
 from handlers.service import ScoringService
 from handlers.spec import ModelSpec
 from handlers.split import DENSE_ARTIFACTS, DEVICES, SPARSE_ARTIFACTS, SplitPlan
@@ -65,11 +66,7 @@ class ServingConfig:
             "maxBatchDelay": self.max_batch_delay_ms,
             "responseTimeout": self.response_timeout_s,
             "startupTimeout": startup_timeout_s,
-            "handler": {
-                "artifact": artifact.value,
-                **(split.to_options() if split else {}),
-                "intra_op_threads": self.intra_op_threads,
-            },
+            "handler": HandlerOptions(artifact, split, self.intra_op_threads).to_mapping(),
         }
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks.traffic import Traffic
-from handlers.export import Artifact
+from handlers.options import HandlerOptions
 from handlers.service import ScoringService
 
 
@@ -27,8 +27,9 @@ def load_artifact(archive: Path, unpack_to: Path) -> ScoringService:
         with zipfile.ZipFile(archive) as z:
             z.extractall(unpack_to)
         folder = unpack_to
-    options = yaml.safe_load((folder / "model-config.yaml").read_text()).get("handler", {})
-    return ScoringService.from_dir(folder, Artifact(options.get("artifact", Artifact.EAGER.value)))
+    config = yaml.safe_load((folder / "model-config.yaml").read_text())
+    options = HandlerOptions.from_mapping(config.get("handler"))
+    return ScoringService.from_dir(folder, options.artifact, options.split)
 
 
 def ceiling_items_per_s(

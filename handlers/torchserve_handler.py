@@ -21,9 +21,8 @@ from typing import Any
 import torch
 from ts.metrics.dimension import Dimension
 
-from handlers.export import Artifact
+from handlers.options import HandlerOptions
 from handlers.service import ScoringService
-from handlers.split import SplitPlan
 
 logger = logging.getLogger(__name__)
 
@@ -35,25 +34,16 @@ class DLRMHandler:
     def initialize(self, context: Any) -> None:
         started = time.perf_counter()
         model_dir = Path(context.system_properties["model_dir"])
-        options = (context.model_yaml_config or {}).get("handler", {})
-        threads = int(options.get("intra_op_threads", 1))
-        torch.set_num_threads(threads)
-        artifact = Artifact(options.get("artifact", Artifact.EAGER.value))
-        split = SplitPlan.from_options(options) if artifact == Artifact.SPLIT else None
-        self.service = ScoringService.from_dir(model_dir, artifact, split)
-        files = (
-            f"sparse {split.sparse_file}, dense {split.dense_file} on {split.dense_device}"
-            if split
-            else artifact.file_name()
-        )
+        options = HandlerOptions.from_mapping((context.model_yaml_config or {}).get("handler"))
+        torch.set_num_threads(options.intra_op_threads)
+        self.service = ScoringService.from_dir(model_dir, options.artifact, options.split)
         logger.info(
-            "loaded model %s from %s, running %s (%s) in %.2fs, %d intra-op threads",
+            "loaded model %s from %s, running %s in %.2fs, %d intra-op threads",
             self.service.spec.name,
             model_dir,
-            artifact.value,
-            files,
+            options.describe(),
             time.perf_counter() - started,
-            threads,
+            options.intra_op_threads,
         )
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[bytes]:
