@@ -136,7 +136,7 @@ SCENARIOS["criteo-1tb"] = dataclasses.replace(
     SCENARIOS["criteo"],
     name="criteo-1tb",
     spec=MODELS / "criteo_1tb.yaml",
-    build_args=("--init", "quantized", "--archive-format", "no-archive"),
+    build_args=("--init", "quantized", "--archive-format", "no-archive", "--artifact", "aoti"),
     measure_two_workers=True,
     targets=(
         *_load_targets,
