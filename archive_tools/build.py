@@ -107,6 +107,8 @@ def build_archive(
     stages.set_postfix_str("spec")
     spec = ModelSpec.from_yaml(spec_path)
     name = name or spec.name
+    if archive_format == "no-archive":
+        _check_replaceable(model_store / name)  # before minutes of building, not after
     factory = DLRMFactory(spec)
     stages.update()
 
@@ -171,6 +173,7 @@ def build_archive(
         # unzipped: the model's files join the folder afterwards, renamed rather than copied (GBs)
         model_files = [f for f in staging.iterdir() if f.suffix in (".pt", ".pt2")]
         if unzipped:
+            _clear_archive_folder(model_store / name)
             for file in model_files:
                 file.rename(Path(tmp) / file.name)
         subprocess.run(
@@ -202,6 +205,20 @@ def build_archive(
         file=sys.stderr,
     )
     return archive
+
+
+def _check_replaceable(folder: Path) -> None:
+    """Only an archive folder (with ``MAR-INF``) may be replaced by an unzipped build."""
+    if folder.exists() and not (folder / "MAR-INF").is_dir():
+        raise FileExistsError(f"{folder} exists and is not an archive folder; not replacing it")
+
+
+def _clear_archive_folder(folder: Path) -> None:
+    """An earlier unzipped archive of the same name is replaced whole: the archiver would keep its
+    files, and a stale ``weights.pt`` of another artifact would ride along."""
+    _check_replaceable(folder)
+    if folder.exists():
+        shutil.rmtree(folder)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""The archive tool's command line refuses inconsistent split options before building anything."""
+"""The archive tool's command line: inconsistent split options refused before building anything,
+an unzipped archive replaced whole."""
 
 import pytest
 
@@ -21,3 +22,22 @@ def test_split_options_are_checked_on_the_command_line(extra, message, capsys, t
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir()), "nothing is written"
+
+
+def test_an_unzipped_archive_is_replaced_whole(tmp_path):
+    """Rebuilt as another artifact, the folder keeps no file of the earlier build."""
+    common = ["--spec", str(TINY_SPEC), "--model-store", str(tmp_path), "--archive-format", "no-archive"]
+    assert main(common) == 0
+    assert (tmp_path / "tiny" / "weights.pt").exists()
+    assert main([*common, "--artifact", "exported"]) == 0
+    files = {p.name for p in (tmp_path / "tiny").iterdir()}
+    assert "model.pt2" in files and "weights.pt" not in files
+
+
+def test_a_folder_that_is_not_an_archive_is_not_replaced(tmp_path):
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "notes.txt").write_text("mine")
+    common = ["--spec", str(TINY_SPEC), "--model-store", str(tmp_path), "--archive-format", "no-archive"]
+    with pytest.raises(FileExistsError, match="not an archive folder"):
+        main(common)
+    assert (tmp_path / "tiny" / "notes.txt").read_text() == "mine"
