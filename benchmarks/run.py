@@ -9,7 +9,6 @@ handler's counters; the same artifact is then timed in-process at those batch si
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import platform
 import resource
@@ -24,7 +23,7 @@ from tqdm import tqdm
 from archive_tools.build import ServingConfig
 from archive_tools.local_server import HandlerCounters, LocalTorchServe
 from benchmarks import report
-from benchmarks.inprocess import ceiling_items_per_s, load_artifact
+from benchmarks.inprocess import CeilingProcess
 from benchmarks.load import LoadResult, run_closed_loop, run_open_loop
 from benchmarks.memory import PeakSampler, table_memory_mib, worker_memory
 from benchmarks.scenarios import Scenario
@@ -42,8 +41,7 @@ def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None
 
     build = _build_archive(scenario, out_dir / "model_store")
     archive = Path(build["archive"])
-    ceiling_service = load_artifact(archive, out_dir / "unpacked")
-    torch.set_num_threads(ServingConfig.intra_op_threads)  # as the worker runs
+    ceiling = CeilingProcess(archive, out_dir / "unpacked", traffic, ServingConfig.intra_op_threads)
     tables = table_memory_mib(spec)
 
     results: dict = {
@@ -57,7 +55,7 @@ def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None
     levels = sum(len(w.concurrencies) + len(w.open_rates) for w in scenario.workloads)
     progress = tqdm(total=levels * len(scenario.batch_sizes), desc=scenario.name, unit="level")
     ceilings: dict[tuple[str, int], float] = {}
-    with LocalTorchServe(model_store=archive.parent) as server:
+    with ceiling, LocalTorchServe(model_store=archive.parent) as server:
         for batch_size in scenario.batch_sizes:
             config = _register(server, archive, spec.name, batch_size, scenario.max_batch_delay_ms)
             for workload in scenario.workloads:
@@ -79,16 +77,14 @@ def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None
                     formed = server.handler_counters(spec.name).minus(before)
                     k = max(1, round(formed.mean_requests_per_batch))
                     if (workload.name, k) not in ceilings:
-                        ceilings[(workload.name, k)] = ceiling_items_per_s(ceiling_service, load, k)
+                        ceilings[(workload.name, k)] = ceiling.items_per_s(workload.name, k)
                     config["runs"].append(
                         _run_record(workload.name, result, formed, ceilings[(workload.name, k)])
                     )
                     progress.update()
             config["worker_after_runs"] = dataclasses.asdict(worker_memory(server.process.pid))
             if scenario.measure_two_workers and batch_size == scenario.batch_sizes[-1]:
-                # Our own mapping of the tables would take a share of their pages' PSS: drop it.
-                ceiling_service = None
-                gc.collect()
+                ceiling.close()  # its mapping of the tables would take a share of their PSS
                 config["two_workers"] = _two_workers(server, spec.name, traffic[scenario.workloads[0].name])
             server.management("DELETE", f"/models/{spec.name}").raise_for_status()
             results["configs"].append(config)
