@@ -4,7 +4,7 @@ run without the model's Python.
 An archive serves one ``Artifact``, named in its ``model-config.yaml``: ``aoti`` (the compiled
 package, fastest), ``exported`` (the exported program, run by PyTorch's interpreter), ``eager``
 (the factory's TorchRec model on the memory-mapped ``weights.pt``; for debugging) or ``split``
-(a sparse and a dense part, each one of the others, run by ``handlers.split``).
+(a sparse and a dense part, each one of the kinds above, run by ``handlers.split``).
 
 The exported program takes plain tensors, laid out by the model's batch tags
 (``handlers.models.input_tags``), so that the same tags give its dynamic shapes:
@@ -16,8 +16,8 @@ The exported program takes plain tensors, laid out by the model's batch tags
 ``export_model`` captures, ``compile_aoti`` compiles, and ``GraphModel`` runs either on the
 coalescer's batch, so ``ScoringService`` drives it exactly like the eager model.
 
-A graph takes batches of any size but where TorchAO's int8 dynamic activation quantization is in
-it: that kernel adds a guard against batch 1, so such graphs are captured for K >= 2 requests
+A graph takes batches of any size, except where TorchAO's int8 dynamic activation quantization is
+in it: that quantizer adds a guard against batch 1, so such graphs are captured for K >= 2 requests
 (``min_requests``) and the service pads a single request with an empty one.
 """
 
@@ -96,7 +96,10 @@ class PlainInputs(nn.Module):
                 position += 3 if self.weighted else 2
                 inputs.append(
                     KeyedJaggedTensor(
-                        keys=list(tag.keys), values=values, lengths=lengths.reshape(-1), weights=weights
+                        keys=list(tag.keys),
+                        values=values,
+                        lengths=lengths.reshape(-1),
+                        weights=weights,
                     )
                 )
             else:
@@ -192,12 +195,7 @@ class GraphModel:
     def __init__(
         self, path: str | Path, artifact: Artifact, tags: Sequence[InputTag], device: str = "cpu"
     ) -> None:
-        if artifact == Artifact.AOTI:
-            if device != "cpu":
-                raise ValueError(
-                    f"{path}: an AOTInductor package runs on the device it was compiled for, and "
-                    f"this tool compiles for cpu; serve the exported program on {device} instead"
-                )
+        if artifact == Artifact.AOTI:  # compiled for cpu (SplitPlan refuses another device)
             self.run = torch._inductor.aoti_load_package(str(path))
             # Mapped, not read: the tables cost page cache shared by every worker, and the package
             # uses these tensors in place (user-managed), so they must live as long as it does.

@@ -5,11 +5,10 @@ other by a small executor, each part on its own device and in its own artifact k
                                           │ .to(dense_device)
     dense inputs .to(dense_device) ──> dense part (dense, embeddings, context) -> logits [N, 1]
 
-The parts are ``handlers.models.split_model``'s; an archive stores each one as its own file
-(``sparse.pt2`` / ``dense_aoti.pt2`` ..., or for eager lookups in tables too large to embed in a
-graph the mapped ``weights.pt``, tables only), so either can be rebuilt, recompiled or moved without
-the other.
-``SplitPlan`` (the archive's ``model-config.yaml``, ``handler`` section) says which is which::
+The parts are ``handlers.models.split_model``'s. An archive stores each one in files of its own
+(``sparse.pt2``, ``dense_aoti.pt2`` ..., or for eager lookups the mapped ``weights.pt``, tables
+only), so either can be rebuilt, recompiled or moved without the other. ``SplitPlan`` (in the
+``handler`` section of the archive's ``model-config.yaml``) says which is which::
 
     handler: {artifact: split, sparse: exported, dense: aoti, dense_device: cpu}
 """
