@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 import yaml
 from tqdm import tqdm
 
@@ -147,7 +148,7 @@ def build_archive(
 
         stages.set_postfix_str("verify")
         # The artifact as the handler loads it, against the model it was made from.
-        served = ScoringService.from_dir(staging, artifact, split)
+        served = ScoringService.from_dir(staging, artifact, _verifiable(split))
         data = (
             ValidationData.from_jsonl(validation)
             if validation is not None
@@ -205,6 +206,15 @@ def build_archive(
         file=sys.stderr,
     )
     return archive
+
+
+def _verifiable(split: SplitPlan | None) -> SplitPlan | None:
+    """The plan to verify with: a dense part meant for a GPU is checked on the CPU where this
+    machine has none (the same graph; only where its weights sit differs)."""
+    if split is None or split.dense_device == "cpu" or torch.cuda.is_available():
+        return split
+    tqdm.write(f"no CUDA here: verifying the dense part on cpu, to be served on {split.dense_device}")
+    return dataclasses.replace(split, dense_device="cpu")
 
 
 def _check_replaceable(folder: Path) -> None:

@@ -117,6 +117,8 @@ class SplitModel:
     @classmethod
     def load(cls, model_dir: str | Path, spec: ModelSpec, plan: SplitPlan) -> "SplitModel":
         """The two parts of a split archive folder, as ``plan`` says."""
+        if plan.dense_device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("dense_device: cuda, but this worker sees no CUDA device")
         model_dir = Path(model_dir)
         if plan.sparse == Artifact.EAGER:
             factory = DLRMFactory(spec)

@@ -1,9 +1,16 @@
 """The archive tool's command line: inconsistent split options refused before building anything,
 an unzipped archive replaced whole."""
 
+import json
+
 import pytest
+import torch
+import yaml
 
 from archive_tools.build import main
+from handlers.export import Artifact
+from handlers.options import HandlerOptions
+from handlers.split import SplitPlan
 from tests.conftest import TINY_SPEC
 
 
@@ -41,3 +48,16 @@ def test_a_folder_that_is_not_an_archive_is_not_replaced(tmp_path):
     with pytest.raises(FileExistsError, match="not an archive folder"):
         main(common)
     assert (tmp_path / "tiny" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only path of a GPU-bound build")
+def test_a_dense_part_for_a_gpu_is_built_and_verified_on_a_cpu_machine(tmp_path):
+    assert main([
+        "--spec", str(TINY_SPEC), "--model-store", str(tmp_path), "--archive-format", "no-archive",
+        "--artifact", "split", "--dense", "exported", "--dense-device", "cuda",
+    ]) == 0
+    config = yaml.safe_load((tmp_path / "tiny" / "model-config.yaml").read_text())
+    assert config["handler"] == HandlerOptions(
+        Artifact.SPLIT, SplitPlan(Artifact.EXPORTED, Artifact.EXPORTED, "cuda")
+    ).to_mapping()
+    assert json.loads((tmp_path / "tiny.verification.json").read_text())["passed"]

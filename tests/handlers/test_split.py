@@ -141,3 +141,12 @@ def test_split_plan_round_trips_through_handler_options():
     plan = SplitPlan(sparse=Artifact.EAGER, dense=Artifact.EXPORTED, dense_device="cuda")
     assert SplitPlan.from_options(plan.to_options()) == plan
     assert SplitPlan.from_options({}) == SplitPlan()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_a_dense_part_for_cuda_is_refused_without_a_gpu(tiny_spec, tiny_weights, tmp_path):
+    plan = SplitPlan(Artifact.EXPORTED, Artifact.EXPORTED, dense_device="cuda")
+    staging = _stage(tmp_path, tiny_spec, tiny_weights)
+    capture(staging, Artifact.SPLIT, plan)  # captured on cpu whatever the serving device
+    with pytest.raises(RuntimeError, match="dense_device: cuda, but this worker sees no CUDA"):
+        ScoringService.from_dir(staging, Artifact.SPLIT, plan)
