@@ -4,7 +4,7 @@
 
 Eager float (the trained model), eager quantized (TorchRec + FBGEMM on the mapped weights), the
 exported program, the AOTInductor package and the split model (sparse and dense parts as graphs of
-their own: exported lookups, or eager lookups on the mapped tables, each before a compiled dense
+their own: compiled, exported or eager lookups on the mapped tables, each before a compiled dense
 part), at batch 1, 32, 256 and 2048 items, on one intra-op thread; plus each archive's size, build
 time and load time. Writes artifacts.json, artifacts.png
 and a text table to DIR (default benchmarks/results/artifacts).
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         "eager quantized": (Artifact.EAGER, None),
         "exported": (Artifact.EXPORTED, None),
         "aoti": (Artifact.AOTI, None),
+        "split aoti+aoti": (Artifact.SPLIT, SplitPlan(Artifact.AOTI, Artifact.AOTI)),
         "split exp+aoti": (Artifact.SPLIT, SplitPlan(Artifact.EXPORTED, Artifact.AOTI)),
         "split eager+aoti": (Artifact.SPLIT, SplitPlan(Artifact.EAGER, Artifact.AOTI)),
     }
