@@ -3,7 +3,9 @@
     python -m archive_tools.build --spec config/models/tiny.yaml --seed 0
     python -m archive_tools.build --spec config/models/criteo.yaml --checkpoint trained.pt
     python -m archive_tools.build --spec config/models/criteo_1tb.yaml --init quantized \
-        --archive-format no-archive --artifact split --sparse eager --dense aoti
+        --archive-format no-archive --artifact aoti
+    python -m archive_tools.build --spec config/models/criteo.yaml --artifact split --sparse eager \
+        --dense aoti
 
 Stages: spec -> float model (checkpoint, or seeded random weights for demos) -> per-table quantization
 (FBGEMM TBE) -> capture (``--artifact``: the whole model, or its sparse and dense parts, as exported
@@ -13,8 +15,9 @@ artifact's files and ``model-config.yaml`` with ``torch-model-archiver``.
 
 ``--init quantized`` skips the float model: seeded random tables are created straight in their
 served dtypes (for models too large to hold in float), and verification checks that the reloaded
-artifact scores exactly as the model that was built (run on its saved, memory-mapped weights). ``--archive-format no-archive`` writes a folder
-instead of a zipped ``.mar``: nothing to compress at build or unpack at register, for models of many GB.
+artifact scores exactly as the model that was built (run on its saved, memory-mapped weights).
+``--archive-format no-archive`` writes a folder instead of a zipped ``.mar``: nothing to compress at
+build or unpack at register, for models of many GB.
 """
 
 from __future__ import annotations
@@ -308,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     split_options = {"sparse": args.sparse, "dense": args.dense, "dense_device": args.dense_device}
     given = {k: v for k, v in split_options.items() if v is not None}
     if given and artifact != Artifact.SPLIT:
-        parser.error(f"--{'/--'.join(given).replace('_', '-')} only apply to --artifact split")
+        parser.error(f"--{'/--'.join(given).replace('_', '-')}: only with --artifact split")
     try:
         split = SplitPlan.from_options(given) if artifact == Artifact.SPLIT else None
     except ValueError as e:

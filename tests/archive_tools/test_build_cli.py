@@ -17,8 +17,8 @@ from tests.conftest import TINY_SPEC
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--sparse", "eager"], "--sparse only apply to --artifact split"),
-        (["--dense", "aoti", "--dense-device", "cpu"], "--dense/--dense-device only apply"),
+        (["--sparse", "eager"], "--sparse: only with --artifact split"),
+        (["--dense", "aoti", "--dense-device", "cpu"], "--dense/--dense-device: only with --artifact split"),
         (["--artifact", "split", "--dense-device", "cuda"], "dense_device: cuda needs dense: exported"),
         (["--artifact", "split", "--dense", "eager"], "invalid choice: 'eager'"),
     ],
