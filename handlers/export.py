@@ -195,7 +195,11 @@ class GraphModel:
     def __init__(
         self, path: str | Path, artifact: Artifact, tags: Sequence[InputTag], device: str = "cpu"
     ) -> None:
-        if artifact == Artifact.AOTI:  # compiled for cpu (SplitPlan refuses another device)
+        if artifact == Artifact.AOTI:
+            if device != "cpu":
+                raise ValueError(
+                    f"{path}: compiled for cpu; an exported program can move to {device}"
+                )
             self.run = torch._inductor.aoti_load_package(str(path))
             # Mapped, not read: the tables cost page cache shared by every worker, and the package
             # uses these tensors in place (user-managed), so they must live as long as it does.

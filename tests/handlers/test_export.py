@@ -136,3 +136,10 @@ def test_int8_dynamic_graph_pads_batch_one(tiny_spec, ranker_spec, tmp_path):
             for got, want in zip(served.logits(requests), eager.logits(requests)):
                 torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
         assert batch_sizes == [2, 8, 9]  # one padding item where there was one request
+
+
+def test_graph_model_refuses_what_it_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match="compiled for cpu; an exported program can move to cuda"):
+        GraphModel(tmp_path / "model_aoti.pt2", Artifact.AOTI, (), device="cuda")
+    with pytest.raises(ValueError, match="eager is not a graph artifact"):
+        GraphModel(tmp_path / "weights.pt", Artifact.EAGER, ())
