@@ -36,7 +36,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from archive_tools.capture import capture
+from archive_tools.capture import capture, check_capturable
 from archive_tools.verification import Bounds, ValidationData, verify
 from handlers.export import Artifact
 from handlers.factory import DLRMFactory
@@ -113,6 +113,8 @@ def build_archive(
     name = name or spec.name
     if archive_format == "no-archive":
         _check_replaceable(model_store / name)  # before minutes of building, not after
+    if artifact != Artifact.EAGER:
+        check_capturable(spec)
     factory = DLRMFactory(spec)
     stages.update()
 

@@ -19,8 +19,19 @@ from handlers.export import Artifact, compile_aoti, export_model, min_requests
 from handlers.factory import DLRMFactory, InferenceWeights
 from handlers.models import EMBEDDINGS_INPUT, SPARSE_INPUT, dense_tags, sparse_tags, split_model
 from handlers.service import ScoringService
-from handlers.spec import ModelSpec
+from handlers.spec import ModelSpec, ShardingType
 from handlers.split import SplitPlan
+
+
+def check_capturable(spec: ModelSpec) -> None:
+    """Refuses, before any work, what torch.export cannot capture on this stack."""
+    row_wise = [t.name for t in spec.tables if t.sharding == ShardingType.ROW_WISE]
+    if spec.is_sharded and row_wise:
+        raise ValueError(
+            f"tables {row_wise}: row-wise sharded tables cannot be captured as a graph with "
+            "fbgemm-gpu 1.8 (its fake kernel for sum_reduce_to_one returns a meta tensor); shard "
+            "them table_wise, or build --artifact eager"
+        )
 
 
 def capture(staging: Path, artifact: Artifact, split: SplitPlan | None) -> None:

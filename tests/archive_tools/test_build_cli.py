@@ -1,6 +1,7 @@
 """The archive tool's command line: inconsistent split options refused before building anything,
 an unzipped archive replaced whole."""
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,9 @@ import yaml
 from archive_tools.build import main
 from handlers.export import Artifact
 from handlers.options import HandlerOptions
+from handlers.spec import ModelSpec, Pooling, ShardingSpec, ShardingType, WeightDtype
 from handlers.split import SplitPlan
+from tests.helpers import with_tables
 from tests.conftest import TINY_SPEC
 
 
@@ -61,3 +64,22 @@ def test_a_dense_part_for_a_gpu_is_built_and_verified_on_a_cpu_machine(tmp_path)
         Artifact.SPLIT, SplitPlan(Artifact.EXPORTED, Artifact.EXPORTED, "cuda")
     ).to_mapping()
     assert json.loads((tmp_path / "tiny.verification.json").read_text())["passed"]
+
+
+def test_row_wise_sharded_tables_are_refused_for_a_graph_before_building(tmp_path):
+    spec = with_tables(ModelSpec.from_yaml(TINY_SPEC), weight_dtype=WeightDtype.INT8)
+    spec = dataclasses.replace(
+        spec,
+        tables=tuple(
+            dataclasses.replace(t, sharding=ShardingType.ROW_WISE, pooling=Pooling.SUM)
+            if t.name == "t_user" else t
+            for t in spec.tables
+        ),
+        sharding=ShardingSpec("cpu", 2),
+    )
+    spec.to_yaml(tmp_path / "sharded.yaml")
+    common = ["--spec", str(tmp_path / "sharded.yaml"), "--model-store", str(tmp_path / "store")]
+    with pytest.raises(ValueError, match=r"tables \['t_user'\]: row-wise sharded tables cannot be captured"):
+        main([*common, "--artifact", "exported"])
+    assert not (tmp_path / "store").exists()
+    assert main(common) == 0  # served eager, the same spec builds
