@@ -24,8 +24,8 @@ from handlers.export import (
 from handlers.factory import DLRMFactory
 from handlers.models import input_tags
 from handlers.service import ScoringService
-from handlers.spec import DENSE_SUBMODULES, DensePrecision
-from tests.helpers import is_file_mapped
+from handlers.spec import DENSE_SUBMODULES, DensePrecision, ShardingType, WeightDtype
+from tests.helpers import is_file_mapped, sharded, with_tables
 
 
 def _batch(service, sizes, seed):
@@ -143,3 +143,17 @@ def test_graph_model_refuses_what_it_cannot_run(tmp_path):
         GraphModel(tmp_path / "model_aoti.pt2", Artifact.AOTI, (), device="cuda")
     with pytest.raises(ValueError, match="eager is not a graph artifact"):
         GraphModel(tmp_path / "weights.pt", Artifact.EAGER, ())
+
+
+def test_table_wise_sharded_model_exports_and_equals_eager(tiny_spec, tmp_path):
+    spec = sharded(with_tables(tiny_spec, weight_dtype=WeightDtype.INT8), 2, ShardingType.TABLE_WISE)
+    factory = DLRMFactory(spec)
+    weights = factory.quantize(factory.float_model(seed=0))
+    eager = ScoringService(spec, factory.inference_model(weights))
+    program = export_model(factory.inference_model(weights), eager.tags, _batch(eager, (3, 5, 2), 0))
+    torch.export.save(program, str(tmp_path / "model.pt2"))
+    graph = GraphModel(tmp_path / "model.pt2", Artifact.EXPORTED, eager.tags)
+    for sizes in ((1,), (2, 7)):
+        batch = _batch(eager, sizes, seed=21)
+        with torch.inference_mode():
+            torch.testing.assert_close(graph(**batch), eager.model(**batch), atol=0, rtol=0)
