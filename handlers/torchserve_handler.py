@@ -2,9 +2,10 @@
 
 TorchServe calls ``initialize(context)`` once per worker and ``handle(data, context)`` per batch of
 requests (``batchSize`` / ``maxBatchDelay``). Model loading is our own (``ScoringService.from_dir``:
-the spec plus the artifact that ``model-config.yaml`` names: an AOTInductor package, an exported
-program, or the eager model on memory-mapped weights), not BaseHandler's. This module defines
-exactly one class, as TorchServe's class entry point requires.
+the spec plus the artifact that the ``handler`` section of ``model-config.yaml`` names, parsed into
+``HandlerOptions``: an AOTInductor package, an exported program, the eager model on memory-mapped
+weights, or a split sparse/dense pair of those), not BaseHandler's. This module defines exactly one
+class, as TorchServe's class entry point requires.
 
 Metrics (Prometheus counters on the metrics API, with ``model_metrics_auto_detect=true``):
 ``HandlerBatches{Requests="k"}`` counts the TorchServe batches of k requests the worker received,
