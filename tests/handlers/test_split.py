@@ -150,3 +150,10 @@ def test_a_dense_part_for_cuda_is_refused_without_a_gpu(tiny_spec, tiny_weights,
     capture(staging, Artifact.SPLIT, plan)  # captured on cpu whatever the serving device
     with pytest.raises(RuntimeError, match="dense_device: cuda, but this worker sees no CUDA"):
         ScoringService.from_dir(staging, Artifact.SPLIT, plan)
+
+
+def test_only_known_architectures_split():
+    with pytest.raises(TypeError, match="cannot split a Linear"):
+        split_model(torch.nn.Linear(2, 1))
+    with pytest.raises(ValueError, match="one file per part"):
+        Artifact.SPLIT.file_name()
