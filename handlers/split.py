@@ -120,18 +120,17 @@ class SplitModel:
         if plan.dense_device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("dense_device: cuda, but this worker sees no CUDA device")
         model_dir = Path(model_dir)
+        sparse_inputs, dense_inputs = sparse_tags(spec), dense_tags(spec)
         if plan.sparse == Artifact.EAGER:
             factory = DLRMFactory(spec)
             lookups = factory.lookups(factory.load_weights(model_dir / plan.sparse_file))
-            sparse: Part = eager_part(lookups, sparse_tags(spec))
+            sparse: Part = eager_part(lookups, sparse_inputs)
         else:
             sparse = GraphModel(
-                model_dir / plan.sparse_file, plan.sparse, sparse_tags(spec), spec.sharding.device
+                model_dir / plan.sparse_file, plan.sparse, sparse_inputs, spec.sharding.device
             )
-        dense = GraphModel(
-            model_dir / plan.dense_file, plan.dense, dense_tags(spec), plan.dense_device
-        )
-        return cls(sparse, dense, sparse_tags(spec), dense_tags(spec), plan.dense_device)
+        dense = GraphModel(model_dir / plan.dense_file, plan.dense, dense_inputs, plan.dense_device)
+        return cls(sparse, dense, sparse_inputs, dense_inputs, plan.dense_device)
 
     def __call__(self, **batch: BatchInput) -> torch.Tensor:
         embeddings = self.sparse(**{name: batch[name] for name in self.sparse_names})
