@@ -34,6 +34,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/pip install --quiet --no-deps torchrec==1.8.0
+	$(BIN)/torchrec-serve --help > /dev/null
 	$(BIN)/python -c "import torch, torchrec, fbgemm_gpu, ts; print('torch', torch.__version__, 'torchrec', torchrec.__version__)"
 	touch $@
 
@@ -44,7 +45,7 @@ test: setup
 	$(BIN)/python -m pytest -v tests
 
 bench: setup
-	$(BIN)/python -m benchmarks $(SCENARIO)
+	$(BIN)/torchrec-serve bench $(SCENARIO)
 
 clean:
 	rm -rf $(VENV) model_store/*.mar

@@ -1,11 +1,9 @@
 """Build a TorchServe archive (``model_store/NAME.mar``) from a model spec and trained weights.
 
-    python -m archive_tools.build --spec config/models/tiny.yaml --seed 0
-    python -m archive_tools.build --spec config/models/criteo.yaml --checkpoint trained.pt
-    python -m archive_tools.build --spec config/models/criteo_1tb.yaml --init quantized \
-        --archive-format no-archive --artifact aoti
-    python -m archive_tools.build --spec config/models/criteo.yaml --artifact split --sparse eager \
-        --dense aoti
+    torchrec-serve build --spec tiny --seed 0
+    torchrec-serve build --spec config/models/criteo.yaml --checkpoint trained.pt
+    torchrec-serve build --spec criteo_1tb --init quantized --archive-format no-archive --artifact aoti
+    torchrec-serve build --spec criteo --artifact split --sparse eager --dense aoti
 
 Stages: spec -> float model (checkpoint, or seeded random weights for demos) -> per-table quantization
 (FBGEMM TBE) -> capture (``--artifact``: the whole model, or its sparse and dense parts, as exported
@@ -22,7 +20,6 @@ build or unpack at register, for models of many GB.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import resource
 import shutil
@@ -36,17 +33,23 @@ import torch
 import yaml
 from tqdm import tqdm
 
+import handlers
 from archive_tools.capture import capture, check_capturable
-from archive_tools.verification import Bounds, ValidationData, verify
-from handlers.export import Artifact
-from handlers.factory import DLRMFactory
-from handlers.options import HandlerOptions
-from handlers.service import ScoringService
-from handlers.spec import ModelSpec
-from handlers.split import DENSE_ARTIFACTS, DEVICES, SPARSE_ARTIFACTS, SplitPlan
+from archive_tools.verification import Bounds, ValidationData, VerificationReport, verify
+from handlers.loading import SPEC_FILE, load_service
+from handlers.modeling.checkpoint import read_checkpoint
+from handlers.modeling.eager import eager_service
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.registry import input_schema, load_spec
+from handlers.modeling.spec import ModelSpec
+from handlers.modeling.weights import InferenceWeights
+from handlers.runtime.artifacts import Artifact
+from handlers.runtime.inputs import INPUTS_FILE
+from handlers.runtime.options import HandlerOptions
+from handlers.runtime.service import ScoringService
+from handlers.runtime.split import SplitPlan
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-HANDLERS_DIR = REPO_ROOT / "handlers"
+HANDLERS_DIR = Path(handlers.__file__).resolve().parent  # the package every archive carries
 HANDLER_FILE = HANDLERS_DIR / "torchserve_handler.py"
 
 
@@ -105,105 +108,69 @@ def build_archive(
         split = split or SplitPlan()
     elif split is not None:
         raise ValueError(f"a split plan was given for a {artifact.value} artifact")
-    stages = tqdm(total=6, desc="archive", unit="stage", file=sys.stderr)
     started = time.perf_counter()
-
-    stages.set_postfix_str("spec")
-    spec = ModelSpec.from_yaml(spec_path)
-    name = name or spec.name
-    if archive_format == "no-archive":
-        _check_replaceable(model_store / name)  # before minutes of building, not after
-    if artifact != Artifact.EAGER:
-        check_capturable(spec)
-    factory = DLRMFactory(spec)
-    stages.update()
-
-    if quantized_init:
-        stages.set_postfix_str("random quantized tables")
-        weights = factory.random_weights(seed)
-        stages.update(2)
-    else:
-        stages.set_postfix_str("float model")
-        reference = factory.float_model(seed=seed)
-        if checkpoint is not None:
-            factory.load_checkpoint(reference, DLRMFactory.read_checkpoint(checkpoint))
-        stages.update()
-        stages.set_postfix_str("quantize")
-        weights = factory.quantize(reference)
-        stages.update()
-
-    with tempfile.TemporaryDirectory(prefix=f"{name}-archive-") as tmp:
-        staging = Path(tmp) / "extra"
-        shutil.copytree(HANDLERS_DIR, staging / "handlers", ignore=shutil.ignore_patterns("__pycache__"))
-        spec.to_yaml(staging / "spec.yaml")
-        factory.save_weights(weights, staging / "weights.pt")
-        del weights  # a file-backed copy exists now; the reference model keeps what it needs
-        if quantized_init:  # the tables as saved, mapped: their memory is page cache, not a copy
-            reference = factory.inference_model(factory.load_weights(staging / "weights.pt"))
-        weights_bytes = (staging / "weights.pt").stat().st_size
-        config_path = Path(tmp) / "model-config.yaml"
-        config_path.write_text(
-            yaml.safe_dump(serving.model_config(artifact, weights_bytes, split), sort_keys=False)
-        )
-        reference_service = ScoringService(spec, reference)
-
-        stages.set_postfix_str(f"capture ({artifact.value})")
+    with tqdm(total=6, desc="archive", unit="stage", file=sys.stderr) as stages:
+        stages.set_postfix_str("spec")
+        spec = load_spec(spec_path)
+        name = name or spec.name
+        if archive_format == "no-archive":
+            _check_replaceable(model_store / name)  # before minutes of building, not after
         if artifact != Artifact.EAGER:
-            capture(staging, artifact, split)
+            check_capturable(spec)
+        factory = DLRMFactory(spec)
         stages.update()
 
-        stages.set_postfix_str("verify")
-        # The artifact as the handler loads it, against the model it was made from.
-        served = ScoringService.from_dir(staging, artifact, _verifiable(split))
-        data = (
-            ValidationData.from_jsonl(validation)
-            if validation is not None
-            else ValidationData.generated(spec, reference_service, 64, 16, seed)
-        )
-        report = verify(served, reference_service, data, bounds)
-        against = "built" if quantized_init else "float"
-        for line in report.lines(against):
-            tqdm.write(line, file=sys.stderr)
-        model_store.mkdir(parents=True, exist_ok=True)
-        (model_store / f"{name}.verification.json").write_bytes(report.to_json())
-        (staging / "verification.json").write_bytes(report.to_json())  # kept inside the archive
-        if not report.passed:
-            stages.close()
-            raise VerificationFailed(
-                f"refusing to write {name}: " + "; ".join(report.failures)
-                + f" (report: {model_store / f'{name}.verification.json'})"
+        if quantized_init:
+            stages.set_postfix_str("random quantized tables")
+            weights, reference = factory.random_weights(seed), None
+            stages.update(2)
+        else:
+            stages.set_postfix_str("float model")
+            reference = factory.float_model(seed=seed)
+            if checkpoint is not None:
+                factory.load_checkpoint(reference, read_checkpoint(checkpoint))
+            stages.update()
+            stages.set_postfix_str("quantize")
+            weights = factory.quantize(reference)
+            stages.update()
+
+        with tempfile.TemporaryDirectory(prefix=f"{name}-archive-") as tmp:
+            staging = Path(tmp) / "extra"
+            _stage(staging, spec, factory, weights)
+            del weights  # a file-backed copy exists now; the reference model keeps what it needs
+            if reference is None:  # the tables as saved, mapped: page cache, not a copy
+                reference = factory.inference_model(factory.load_weights(staging / "weights.pt"))
+            weights_bytes = (staging / "weights.pt").stat().st_size
+            config_path = Path(tmp) / "model-config.yaml"
+            config = serving.model_config(artifact, weights_bytes, split)
+            config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+            stages.set_postfix_str(f"capture ({artifact.value})")
+            if artifact != Artifact.EAGER:
+                capture(staging, artifact, split)
+            stages.update()
+
+            stages.set_postfix_str("verify")
+            report = _verify_stage(
+                staging, spec, eager_service(spec, reference),
+                HandlerOptions(artifact, _verifiable(split)), validation, bounds, seed,
             )
-        stages.update()
+            for line in report.lines("built" if quantized_init else "float"):
+                tqdm.write(line, file=sys.stderr)
+            report_path = model_store / f"{name}.verification.json"
+            model_store.mkdir(parents=True, exist_ok=True)
+            report_path.write_bytes(report.to_json())
+            (staging / "verification.json").write_bytes(report.to_json())  # kept inside the archive
+            if not report.passed:
+                raise VerificationFailed(
+                    f"refusing to write {name}: {'; '.join(report.failures)} (report: {report_path})"
+                )
+            stages.update()
 
-        stages.set_postfix_str("torch-model-archiver")
-        unzipped = archive_format == "no-archive"
-        # unzipped: the model's files join the folder afterwards, renamed rather than copied (GBs)
-        model_files = [f for f in staging.iterdir() if f.suffix in (".pt", ".pt2")]
-        if unzipped:
-            _clear_archive_folder(model_store / name)
-            for file in model_files:
-                file.rename(Path(tmp) / file.name)
-        subprocess.run(
-            [
-                str(Path(sys.executable).parent / "torch-model-archiver"),
-                "--model-name", name,
-                "--version", version,
-                "--handler", str(HANDLER_FILE),
-                "--extra-files", str(staging),
-                "--config-file", str(config_path),
-                "--export-path", str(model_store),
-                "--archive-format", archive_format,
-                "--force",
-            ],
-            check=True,
-        )
-        archive = model_store / (name if unzipped else f"{name}.mar")
-        if unzipped:
-            for file in model_files:
-                (Path(tmp) / file.name).replace(archive / file.name)
-        stages.update()
-    stages.close()
-    size = sum(f.stat().st_size for f in archive.rglob("*")) if unzipped else archive.stat().st_size
+            stages.set_postfix_str("torch-model-archiver")
+            archive = _package(staging, config_path, name, version, model_store, archive_format)
+            stages.update()
+    size = sum(f.stat().st_size for f in archive.rglob("*")) if archive.is_dir() else archive.stat().st_size
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     tqdm.write(
         f"wrote {archive} ({size / 2**20:.1f} MiB, serving {artifact.value}; weights "
@@ -211,6 +178,65 @@ def build_archive(
         f"peak RSS {peak_gib:.2f} GiB",
         file=sys.stderr,
     )
+    return archive
+
+
+def _stage(staging: Path, spec: ModelSpec, factory: DLRMFactory, weights: InferenceWeights) -> None:
+    """The archive's extra files: the handlers package, the spec, its inputs, the weights."""
+    shutil.copytree(HANDLERS_DIR, staging / "handlers", ignore=shutil.ignore_patterns("__pycache__"))
+    spec.to_yaml(staging / SPEC_FILE)
+    input_schema(spec).save(staging / INPUTS_FILE)
+    factory.save_weights(weights, staging / "weights.pt")
+
+
+def _verify_stage(
+    staging: Path,
+    spec: ModelSpec,
+    reference: ScoringService,
+    options: HandlerOptions,
+    validation: Path | None,
+    bounds: Bounds,
+    seed: int,
+) -> VerificationReport:
+    """The artifact, loaded as the handler loads it, against the model it was made from."""
+    served = load_service(staging, options)
+    data = (
+        ValidationData.from_jsonl(validation)
+        if validation is not None
+        else ValidationData.generated(spec, reference, 64, 16, seed)
+    )
+    return verify(served, reference, data, bounds)
+
+
+def _package(
+    staging: Path, config_path: Path, name: str, version: str, model_store: Path, archive_format: str
+) -> Path:
+    """``torch-model-archiver`` over the staged files: ``NAME.mar``, or the folder ``NAME/``."""
+    unzipped = archive_format == "no-archive"
+    # unzipped: the model's files join the folder afterwards, renamed rather than copied (GBs)
+    model_files = [f for f in staging.iterdir() if f.suffix in (".pt", ".pt2")]
+    if unzipped:
+        _clear_archive_folder(model_store / name)
+        for file in model_files:
+            file.rename(staging.parent / file.name)
+    subprocess.run(
+        [
+            sys.executable, "-m", "model_archiver.model_packaging",  # torch-model-archiver
+            "--model-name", name,
+            "--version", version,
+            "--handler", str(HANDLER_FILE),
+            "--extra-files", str(staging),
+            "--config-file", str(config_path),
+            "--export-path", str(model_store),
+            "--archive-format", archive_format,
+            "--force",
+        ],
+        check=True,
+    )
+    archive = model_store / (name if unzipped else f"{name}.mar")
+    if unzipped:
+        for file in model_files:
+            (staging.parent / file.name).replace(archive / file.name)
     return archive
 
 
@@ -235,116 +261,3 @@ def _clear_archive_folder(folder: Path) -> None:
     _check_replaceable(folder)
     if folder.exists():
         shutil.rmtree(folder)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m archive_tools.build",
-        description="Build a TorchServe .mar for a TorchRec DLRM: quantize, verify, package.",
-    )
-    parser.add_argument("--spec", type=Path, required=True, help="model spec YAML (config/models/)")
-    weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--checkpoint", type=Path, help="trained float state dict (torch.save)")
-    weights.add_argument("--seed", type=int, default=0, help="random weights from this seed (demo)")
-    parser.add_argument(
-        "--init",
-        choices=("float", "quantized"),
-        default="float",
-        help="float: a float model (checkpoint or seed), quantized and verified against it; "
-        "quantized: seeded random tables made in their served dtypes, never in float (huge models)",
-    )
-    parser.add_argument(
-        "--artifact",
-        choices=[a.value for a in Artifact],
-        default=Artifact.EAGER.value,
-        help="what the archive serves: aoti (AOTInductor package), exported (torch.export program), "
-        "eager (TorchRec modules on memory-mapped weights) or split (a sparse and a dense part, "
-        "see --sparse / --dense)",
-    )
-    defaults = SplitPlan()
-    parser.add_argument(
-        "--sparse",
-        choices=[a.value for a in SPARSE_ARTIFACTS],
-        help=f"split: the embedding lookups as (default {defaults.sparse.value}); eager keeps the "
-        "tables in the memory-mapped weights.pt, for tables of many GB",
-    )
-    parser.add_argument(
-        "--dense",
-        choices=[a.value for a in DENSE_ARTIFACTS],
-        help=f"split: the dense layers as (default {defaults.dense.value})",
-    )
-    parser.add_argument(
-        "--dense-device",
-        choices=DEVICES,
-        help=f"split: where the dense part runs (default {defaults.dense_device}; cuda needs "
-        "--dense exported)",
-    )
-    parser.add_argument(
-        "--archive-format",
-        choices=ARCHIVE_FORMATS,
-        default="default",
-        help="default: a zipped NAME.mar; no-archive: a folder NAME/ (no compression, no unpacking)",
-    )
-    parser.add_argument("--name", help="model name (default: the spec's name)")
-    parser.add_argument("--version", default="1.0", help="model version (default: 1.0)")
-    parser.add_argument("--model-store", type=Path, default=REPO_ROOT / "model_store")
-    parser.add_argument("--batch-size", type=int, default=ServingConfig.batch_size)
-    parser.add_argument("--max-batch-delay", type=int, default=ServingConfig.max_batch_delay_ms, help="ms")
-    parser.add_argument("--workers", type=int, default=ServingConfig.workers)
-    parser.add_argument("--intra-op-threads", type=int, default=ServingConfig.intra_op_threads)
-    parser.add_argument(
-        "--validation",
-        type=Path,
-        help="JSON-lines validation requests, optionally with labels (default: generated from the spec)",
-    )
-    parser.add_argument(
-        "--max-score-diff",
-        type=float,
-        default=Bounds.max_abs_score_diff,
-        help="refuse the archive if any validation score differs from the reference's by more",
-    )
-    parser.add_argument("--max-rel-score-diff", type=float, default=None, help="same, relative")
-    parser.add_argument("--max-auc-drop", type=float, default=Bounds.max_auc_drop)
-    parser.add_argument("--max-ne-increase", type=float, default=Bounds.max_ne_increase)
-    args = parser.parse_args(argv)
-    if args.init == "quantized" and args.checkpoint is not None:
-        parser.error("--init quantized makes random tables; it does not read --checkpoint")
-    artifact = Artifact(args.artifact)
-    split_options = {"sparse": args.sparse, "dense": args.dense, "dense_device": args.dense_device}
-    given = {k: v for k, v in split_options.items() if v is not None}
-    if given and artifact != Artifact.SPLIT:
-        parser.error(f"--{'/--'.join(given).replace('_', '-')}: only with --artifact split")
-    try:
-        split = SplitPlan.from_options(given) if artifact == Artifact.SPLIT else None
-    except ValueError as e:
-        parser.error(str(e))
-    build_archive(
-        args.spec,
-        checkpoint=args.checkpoint,
-        seed=args.seed,
-        name=args.name,
-        version=args.version,
-        model_store=args.model_store,
-        serving=ServingConfig(
-            batch_size=args.batch_size,
-            max_batch_delay_ms=args.max_batch_delay,
-            workers=args.workers,
-            intra_op_threads=args.intra_op_threads,
-        ),
-        bounds=Bounds(
-            max_abs_score_diff=args.max_score_diff,
-            max_rel_score_diff=args.max_rel_score_diff,
-            max_auc_drop=args.max_auc_drop,
-            max_ne_increase=args.max_ne_increase,
-        ),
-        validation=args.validation,
-        quantized_init=args.init == "quantized",
-        archive_format=args.archive_format,
-        artifact=artifact,
-        split=split,
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """The capture stage of the archive build: the staged eager model exported as one graph or as its
-sparse and dense parts (``handlers.split``), each saved as an exported program or compiled with
-AOTInductor.
+sparse and dense parts (``handlers.runtime.split``), each saved as an exported program or
+compiled with AOTInductor.
 
     capture(staging, Artifact.AOTI, None)                 # model_aoti.pt2
     capture(staging, Artifact.SPLIT, SplitPlan(sparse=Artifact.EAGER, dense=Artifact.AOTI))
@@ -13,14 +13,17 @@ from pathlib import Path
 
 import torch
 
-from archive_tools.synthetic import items_request
-from handlers.batching import coalesce
-from handlers.export import Artifact, compile_aoti, export_model, min_requests
-from handlers.factory import DLRMFactory, InferenceWeights
-from handlers.models import EMBEDDINGS_INPUT, SPARSE_INPUT, dense_tags, sparse_tags, split_model
-from handlers.service import ScoringService
-from handlers.spec import ModelSpec, ShardingType
-from handlers.split import SplitPlan
+from archive_tools.export import compile_aoti, export_model
+from handlers.loading import SPEC_FILE
+from handlers.modeling.eager import EagerModel, load_eager_model
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.registry import architecture_of, load_spec, synthetic_request
+from handlers.modeling.spec import ModelSpec, ShardingType
+from handlers.modeling.weights import InferenceWeights
+from handlers.runtime.artifacts import Artifact
+from handlers.runtime.batching import coalesce
+from handlers.runtime.split import EMBEDDINGS_INPUT, SplitPlan, dense_tags, sparse_tags
+from handlers.runtime.wire.json_request import RequestDecoder
 
 
 def check_capturable(spec: ModelSpec) -> None:
@@ -39,26 +42,27 @@ def capture(staging: Path, artifact: Artifact, split: SplitPlan | None) -> None:
     Once a graph file holds the tables, ``weights.pt`` leaves the archive: no table is stored twice.
     """
     weights = staging / Artifact.EAGER.file_name()
-    eager = ScoringService.from_files(staging / "spec.yaml", weights)
-    spec = eager.spec
+    spec = load_spec(staging / SPEC_FILE)
+    eager = load_eager_model(spec, weights)
+    decoder = RequestDecoder(architecture_of(spec).input_schema(spec))
+    tags = decoder.schema.tags
     example = coalesce(
-        [eager.decoder.decode(items_request(spec, n, seed=n, max_bag=3)).inputs for n in (3, 5, 2)],
-        eager.tags,
+        [decoder.decode(synthetic_request(spec, n, seed=n)).inputs for n in (3, 5, 2)], tags
     )
-    min_batch = min_requests(spec)
     if split is None:
-        program = export_model(eager.model, eager.tags, example, min_batch)
+        program = export_model(eager.module, tags, example, spec.min_requests)
         _save_graph(program, staging, artifact, "model")
     else:
-        sparse, dense = split_model(eager.model)
+        sparse, dense = architecture_of(spec).split(eager.module)
         with torch.inference_mode():
-            embeddings = sparse(example[SPARSE_INPUT])
-        dense_example = {**example, EMBEDDINGS_INPUT: embeddings}
+            embeddings = EagerModel(sparse, sparse_tags(tags))(example)
         if split.sparse != Artifact.EAGER:
-            program = export_model(sparse, sparse_tags(spec), example)
+            program = export_model(sparse, sparse_tags(tags), example)
             _save_graph(program, staging, split.sparse, "sparse")
-        program = export_model(dense, dense_tags(spec), dense_example, min_batch)
+        dense_example = {**example, EMBEDDINGS_INPUT: embeddings}
+        program = export_model(dense, dense_tags(tags), dense_example, spec.min_requests)
         _save_graph(program, staging, split.dense, "dense")
+    del eager  # its tables are mapped from weights.pt, about to be replaced
     if split is None or split.sparse != Artifact.EAGER:
         weights.unlink()
     else:

@@ -27,8 +27,8 @@ from typing import Any, BinaryIO
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = REPO_ROOT / "config" / "config.properties"
+from archive_tools.resources import config_dir
+
 
 _PORT_KEYS = {
     "inference_address": "http://127.0.0.1:{}",
@@ -76,19 +76,31 @@ class ServerDied(RuntimeError):
     """TorchServe exited while starting or serving; the message holds the end of its log."""
 
 
+class PortTaken(RuntimeError):
+    """A port the configuration names is in use by another process."""
+
+
 class LocalTorchServe:
+    """``free_ports``: each listener on a free loopback port (tests, benchmarks, several servers on
+    one machine); else on the ports ``config`` names, refused clearly when one is taken."""
+
     def __init__(
         self,
         model_store: Path,
-        config: Path = DEFAULT_CONFIG,
+        config: Path | None = None,
         startup_timeout_s: float = 120.0,
         keep_logs: Path | None = None,
+        free_ports: bool = True,
     ) -> None:
         self.model_store = Path(model_store).resolve()
-        self.base_config = config
+        self.base_config = config or config_dir() / "config.properties"
         self.startup_timeout_s = startup_timeout_s
         self.keep_logs = keep_logs
-        self.ports = {key: _free_port() for key in _PORT_KEYS}
+        self.ports = (
+            {key: _free_port() for key in _PORT_KEYS}
+            if free_ports
+            else _configured_ports(self.base_config)
+        )
         self.workdir = Path(tempfile.mkdtemp(prefix="torchserve-"))
         self.process: subprocess.Popen | None = None
         self._log: BinaryIO | None = None
@@ -115,7 +127,7 @@ class LocalTorchServe:
         self._log = open(self.workdir / "torchserve.out", "wb")
         self.process = subprocess.Popen(
             [
-                str(Path(sys.executable).parent / "torchserve"),
+                sys.executable, "-m", "ts.model_server",  # the torchserve command
                 "--start",
                 "--foreground",
                 "--ncs",
@@ -263,6 +275,26 @@ class LocalTorchServe:
             return {}  # token authorization is off
         keys = json.loads(key_file.read_text())
         return {api: keys[api]["key"] for api in ("inference", "management") if api in keys}
+
+
+def _configured_ports(config: Path) -> dict[str, int]:
+    """The ports ``config`` names, each checked to be free now."""
+    text = config.read_text()
+    ports = {}
+    for key in _PORT_KEYS:
+        match = re.search(rf"^{key}=(?:.*:)?(\d+)\s*$", text, flags=re.M)
+        if match is None:
+            raise ValueError(f"{config}: no '{key}=' line with a port")
+        ports[key] = int(match.group(1))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", ports[key]))
+            except OSError:
+                raise PortTaken(
+                    f"port {ports[key]} ({key} in {config}) is taken by another process: stop it, "
+                    "or start this server on free ports (--free-ports)"
+                ) from None
+    return ports
 
 
 def _free_port() -> int:

@@ -21,10 +21,14 @@ import orjson
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
-from archive_tools.synthetic import items_request
-from handlers.batching import chunk_by_items
-from handlers.service import ScoringService
-from handlers.spec import ModelSpec
+from handlers.modeling.registry import synthetic_request
+from handlers.modeling.spec import ModelSpec
+from handlers.runtime.batching import chunk_by_items
+from handlers.runtime.service import ScoringService
+
+
+class ValidationDataError(ValueError):
+    """A validation file that cannot be read; the message names the file, line and field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +53,10 @@ class ValidationData:
         for number, line in enumerate(path.read_bytes().splitlines(), start=1):
             if not line.strip():
                 continue
-            row = orjson.loads(line)
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError as e:
+                raise ValidationDataError(f"{path}:{number}: not JSON: {e}") from None
             if "request" in row:
                 requests.append(row["request"])
                 labels.append(row.get("labels"))
@@ -57,12 +64,12 @@ class ValidationData:
                 requests.append(row)
                 labels.append(None)
             if labels[-1] is not None and len(labels[-1]) != _item_count(requests[-1]):
-                raise ValueError(f"{path}:{number}: labels must hold one 0/1 label per item")
+                raise ValidationDataError(f"{path}:{number}: labels must hold one 0/1 label per item")
         if not requests:
-            raise ValueError(f"{path}: no requests")
+            raise ValidationDataError(f"{path}: no requests")
         labelled = [lab for lab in labels if lab is not None]
         if labelled and len(labelled) != len(labels):
-            raise ValueError(f"{path}: either every request has labels or none has")
+            raise ValidationDataError(f"{path}: either every request has labels or none has")
         return cls(requests, labels if labelled else None, f"file {path}")
 
     @classmethod
@@ -74,7 +81,7 @@ class ValidationData:
         untrained weights, whose raw scores all sit near 0.5; a served model that ranks
         differently loses AUC and gains NE."""
         requests = [
-            items_request(spec, items, seed=seed + 1000 + k, max_bag=4) for k in range(num_requests)
+            synthetic_request(spec, items, seed=seed + 1000 + k, max_bag=4) for k in range(num_requests)
         ]
         logits = torch.logit(torch.cat(_scores(reference, requests)).double(), eps=1e-12)
         z = (logits - logits.mean()) / logits.std().clamp_min(1e-12)
@@ -184,7 +191,7 @@ def _scores(service: ScoringService, requests: list[dict]) -> list[torch.Tensor]
     """Click probabilities per request, through the service's own decoder and coalescer."""
     inputs = [service.decoder.decode(request).inputs for request in requests]
     scores: list[torch.Tensor] = []
-    for chunk in chunk_by_items(inputs, service.spec.limits.max_items_per_forward):
+    for chunk in chunk_by_items(inputs, service.schema.limits.max_items_per_forward):
         scores += [torch.sigmoid(logits) for logits in service.logits([inputs[i] for i in chunk])]
     return scores
 

@@ -27,14 +27,15 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from archive_tools.build import ServingConfig, build_archive  # noqa: E402
-from archive_tools.synthetic import items_request  # noqa: E402
 from benchmarks.scenarios import MODELS, REPO  # noqa: E402
-from handlers.batching import coalesce  # noqa: E402
-from handlers.export import Artifact  # noqa: E402
-from handlers.factory import DLRMFactory  # noqa: E402
-from handlers.service import ScoringService  # noqa: E402
-from handlers.spec import ModelSpec  # noqa: E402
-from handlers.split import SplitPlan  # noqa: E402
+from handlers.loading import load_service  # noqa: E402
+from handlers.modeling.eager import eager_service  # noqa: E402
+from handlers.modeling.factory import DLRMFactory  # noqa: E402
+from handlers.modeling.registry import load_spec, synthetic_request  # noqa: E402
+from handlers.runtime.artifacts import Artifact  # noqa: E402
+from handlers.runtime.batching import coalesce  # noqa: E402
+from handlers.runtime.options import HandlerOptions  # noqa: E402
+from handlers.runtime.split import SplitPlan  # noqa: E402
 
 BATCHES = (1, 32, 256, 2048)
 
@@ -42,10 +43,10 @@ BATCHES = (1, 32, 256, 2048)
 def forward_ms(model, batch, min_time_s: float = 1.0) -> float:
     with torch.inference_mode():
         for _ in range(3):
-            model(**batch)
+            model(batch)
         calls, started = 0, time.perf_counter()
         while time.perf_counter() - started < min_time_s or calls < 5:
-            model(**batch)
+            model(batch)
             calls += 1
     return (time.perf_counter() - started) / calls * 1000
 
@@ -57,12 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    spec = ModelSpec.from_yaml(args.spec)
-    probe = ScoringService(spec, DLRMFactory(spec).float_model(seed=0))
+    spec = load_spec(args.spec)
+    probe = eager_service(spec, DLRMFactory(spec).float_model(seed=0))
     batches = {}
     for size in BATCHES:  # requests of at most 256 items, coalesced into one batch of `size`
         parts = [min(256, size - start) for start in range(0, size, 256)]
-        requests = [probe.decoder.decode(items_request(spec, n, seed=k)).inputs for k, n in enumerate(parts)]
+        requests = [
+            probe.decoder.decode(synthetic_request(spec, n, seed=k)).inputs
+            for k, n in enumerate(parts)
+        ]
         batches[size] = coalesce(requests, probe.tags)
 
     results: dict = {"spec": str(args.spec), "batches": list(BATCHES), "artifacts": {}}
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             with zipfile.ZipFile(archive) as z:
                 z.extractall(unpacked)
             started = time.perf_counter()
-            service = ScoringService.from_dir(unpacked, kind, split)
+            service = load_service(unpacked, HandlerOptions(kind, split))
             load_s = time.perf_counter() - started
             results["artifacts"][label] = {
                 "archive_mib": archive.stat().st_size / 2**20,

@@ -9,31 +9,14 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-import zipfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
-import yaml
-
+from archive_tools.archives import load_archive
 from benchmarks.traffic import Traffic
-from handlers.options import HandlerOptions
-from handlers.service import ScoringService
-
-
-def load_artifact(archive: Path, unpack_to: Path) -> ScoringService:
-    """The served model, loaded as the worker loads it (the artifact its ``model-config.yaml``
-    names), from a ``.mar`` (unzipped into ``unpack_to``) or an unzipped archive folder (used in
-    place: its tables are mapped from the same file the server maps)."""
-    folder = archive
-    if archive.is_file():
-        with zipfile.ZipFile(archive) as z:
-            z.extractall(unpack_to)
-        folder = unpack_to
-    config = yaml.safe_load((folder / "model-config.yaml").read_text())
-    options = HandlerOptions.from_mapping(config.get("handler"))
-    return ScoringService.from_dir(folder, options.artifact, options.split)
+from handlers.runtime.service import ScoringService
 
 
 def ceiling_items_per_s(
@@ -99,7 +82,7 @@ _child: dict = {}  # the child's loaded service and traffic
 
 def _load_in_child(archive: Path, unpack_to: Path, traffic: dict[str, Traffic], threads: int) -> None:
     torch.set_num_threads(threads)  # as the worker runs
-    _child["service"] = load_artifact(archive, unpack_to)
+    _child["service"] = load_archive(archive, unpack_to)
     _child["traffic"] = traffic
 
 

@@ -8,8 +8,8 @@ import time
 
 import psutil
 
-from handlers.factory import DLRMFactory
-from handlers.spec import ModelSpec
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.spec import ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,8 @@ from benchmarks.load import LoadResult, run_closed_loop, run_open_loop
 from benchmarks.memory import PeakSampler, table_memory_mib, worker_memory
 from benchmarks.scenarios import Scenario
 from benchmarks.traffic import Traffic
-from handlers.spec import ModelSpec
+from handlers.modeling.registry import load_spec
+from handlers.modeling.spec import ModelSpec
 
 WARMUP_REQUESTS = 20
 
@@ -36,7 +37,7 @@ WARMUP_REQUESTS = 20
 def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None) -> dict:
     """Runs ``scenario`` end to end; writes results.json, plots and summary.txt into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec = ModelSpec.from_yaml(scenario.spec)
+    spec = load_spec(scenario.spec)
     traffic = _traffic(scenario, spec, out_dir, traces or {})
 
     build = _build_archive(scenario, out_dir / "model_store")
@@ -127,7 +128,7 @@ def _build_archive(scenario: Scenario, model_store: Path) -> dict:
     started = time.perf_counter()
     subprocess.run(
         [
-            sys.executable, "-m", "archive_tools.build",
+            sys.executable, "-m", "archive_tools", "build",  # torchrec-serve build
             "--spec", str(scenario.spec),
             "--model-store", str(model_store),
             "--max-batch-delay", str(scenario.max_batch_delay_ms),
@@ -137,7 +138,7 @@ def _build_archive(scenario: Scenario, model_store: Path) -> dict:
     )
     seconds = time.perf_counter() - started
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    name = ModelSpec.from_yaml(scenario.spec).name
+    name = load_spec(scenario.spec).name
     unzipped = "no-archive" in scenario.build_args
     archive = model_store / (name if unzipped else f"{name}.mar")
     size = sum(f.stat().st_size for f in archive.rglob("*")) if unzipped else archive.stat().st_size
@@ -177,6 +178,8 @@ def _run_record(workload: str, result: LoadResult, formed: HandlerCounters, ceil
         "workload": workload,
         **result.to_dict(),
         "formed": {
+            "requests": formed.requests,
+            "items": formed.forward_items,
             "batches": {str(k): v for k, v in sorted(formed.batches.items())},
             "mean_requests_per_batch": formed.mean_requests_per_batch,
             "mean_items_per_forward": formed.mean_items_per_forward,

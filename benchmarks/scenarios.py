@@ -1,4 +1,4 @@
-"""The benchmark scenarios and their targets (``python -m benchmarks SCENARIO``).
+"""The benchmark scenarios and their targets (``torchrec-serve bench SCENARIO``).
 
 * ``smoke``: the tiny spec, a few seconds per load level; CI runs it to keep the tool working.
 * ``criteo``: the Criteo-shaped spec (26 int8 tables capped at 100k rows), served as an
@@ -66,7 +66,7 @@ class Scenario:
     max_requests: int  # per load level
     pool_requests: int  # distinct requests generated per workload (cycled)
     targets: tuple[Target, ...] = ()
-    build_args: tuple[str, ...] = ()  # extra archive_tools.build options
+    build_args: tuple[str, ...] = ()  # extra `torchrec-serve build` options
     measure_two_workers: bool = False  # after the last config's runs: PSS of 2 workers vs 1
 
 

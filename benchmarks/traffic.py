@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from handlers.spec import Architecture, ModelSpec
+from handlers.modeling.registry import input_schema
+from handlers.modeling.spec import ModelSpec
 
 _GOLDEN = 2654435761  # Knuth's multiplicative hash constant: scatters hot ids over the table
 
@@ -42,13 +43,15 @@ class TrafficModel:
             if self.draw_items
             else [self.items_per_request] * num_requests
         )
-        bodies = [orjson.dumps(self._request(spec, n, rng)) for n in counts]
+        context_width = input_schema(spec).context_features
+        bodies = [orjson.dumps(self._request(spec, n, rng, context_width)) for n in counts]
         return Traffic(bodies=bodies, items=counts)
 
-    def _request(self, spec: ModelSpec, n: int, rng: np.random.Generator) -> dict:
-        ranker = spec.architecture == Architecture.CONTEXT_RANKER
-        # A DLRM has no context input: a user's features repeat in each of its candidates.
-        varying = set(spec.feature_names) if n == 1 or ranker else set(self.candidate_features)
+    def _request(
+        self, spec: ModelSpec, n: int, rng: np.random.Generator, context_width: int
+    ) -> dict:
+        # A model without a context input sees a user's features repeated in each candidate.
+        varying = set(spec.feature_names) if n == 1 or context_width else set(self.candidate_features)
         shared = {f: self._bag(rows, rng) for f, rows in zip(spec.feature_names, spec.feature_rows)}
         user_dense = self._dense(spec.dense_features, rng)
         items = []
@@ -57,11 +60,11 @@ class TrafficModel:
                 f: self._bag(rows, rng) if f in varying else shared[f]
                 for f, rows in zip(spec.feature_names, spec.feature_rows)
             }
-            dense = self._dense(spec.dense_features, rng) if ranker else user_dense
+            dense = self._dense(spec.dense_features, rng) if context_width else user_dense
             items.append({"dense": dense, "sparse": sparse})
         request: dict = {"items": items}
-        if ranker:
-            request["context"] = self._dense(spec.context_features, rng)
+        if context_width:
+            request["context"] = self._dense(context_width, rng)
         return request
 
     @staticmethod

@@ -17,7 +17,7 @@ import orjson
 
 from archive_tools.build import ServingConfig, VerificationFailed, build_archive
 from archive_tools.local_server import LocalTorchServe
-from handlers.export import Artifact
+from handlers.runtime.artifacts import Artifact
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = REPO / "config" / "models" / "criteo.yaml"

@@ -6,18 +6,21 @@ from pathlib import Path
 
 import pytest
 
-from handlers.factory import DLRMFactory, InferenceWeights
-from handlers.spec import ModelSpec
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.registry import load_spec
+from handlers.modeling.spec import ModelSpec
+from handlers.modeling.weights import InferenceWeights
 
 REPO = Path(__file__).resolve().parent.parent
-TINY_SPEC = REPO / "config" / "models" / "tiny.yaml"
-CRITEO_SPEC = REPO / "config" / "models" / "criteo.yaml"
-RANKER_SPEC = REPO / "config" / "models" / "ranker.yaml"
+MODELS = REPO / "config" / "models"
+TINY_SPEC = MODELS / "tiny.yaml"
+CRITEO_SPEC = MODELS / "criteo.yaml"
+RANKER_SPEC = MODELS / "ranker.yaml"
 
 
 @pytest.fixture(scope="session")
 def tiny_spec() -> ModelSpec:
-    return ModelSpec.from_yaml(TINY_SPEC)
+    return load_spec(TINY_SPEC)
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +35,7 @@ def tiny_weights(tiny_spec, tiny_float_model) -> InferenceWeights:
 
 @pytest.fixture(scope="session")
 def ranker_spec() -> ModelSpec:
-    return ModelSpec.from_yaml(RANKER_SPEC)
+    return load_spec(RANKER_SPEC)
 
 
 @pytest.fixture(scope="session")

@@ -1,39 +1,43 @@
-"""Helpers shared by the tests: spec variants and model inputs built from requests."""
+"""Helpers shared by the tests: spec variants, requests, and model inputs built from them."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
 
-from handlers.batching import coalesce
-from handlers.decode import RequestDecoder
-from handlers.models import input_tags
-from handlers.spec import ModelSpec, ShardingSpec, ShardingType
+from archive_tools.archives import load_archive as archive_service  # noqa: F401  (archive, unpack_to)
+from handlers.modeling.eager import EagerModel
+from handlers.modeling.registry import input_schema, synthetic_request
+from handlers.modeling.spec import ModelSpec, ShardingSpec, ShardingType
+from handlers.runtime.batching import Batch, coalesce
+from handlers.runtime.wire.json_request import RequestDecoder
+
+items_request = synthetic_request  # (spec, num_items, seed, max_bag=3, return_logits=False)
 
 
 def with_tables(spec: ModelSpec, **changes) -> ModelSpec:
     """The spec with ``changes`` (e.g. weight_dtype=..., sharding=...) applied to every table."""
-    tables = tuple(dataclasses.replace(t, **changes) for t in spec.tables)
-    return dataclasses.replace(spec, tables=tables)
+    return spec.replace(tables=[t.model_copy(update=changes) for t in spec.tables])
 
 
 def sharded(spec: ModelSpec, world_size: int, sharding: ShardingType) -> ModelSpec:
-    return dataclasses.replace(
-        with_tables(spec, sharding=sharding), sharding=ShardingSpec("cpu", world_size)
+    return with_tables(spec, sharding=sharding).replace(
+        sharding=ShardingSpec(device="cpu", world_size=world_size)
     )
 
 
-def model_inputs(spec: ModelSpec, requests: list[dict]) -> dict:
+def model_inputs(spec: ModelSpec, requests: list[dict]) -> Batch:
     """Decodes JSON-like requests and coalesces them into one batch of model inputs."""
-    decoder = RequestDecoder(spec)
-    return coalesce([decoder.decode(r).inputs for r in requests], input_tags(spec))
+    schema = input_schema(spec)
+    decoder = RequestDecoder(schema)
+    return coalesce([decoder.decode(r).inputs for r in requests], schema.tags)
 
 
-def forward(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+def forward(model: torch.nn.Module, spec: ModelSpec, inputs: Batch) -> torch.Tensor:
+    """An eager model's logits for a batch of ``spec``'s inputs, flattened."""
     with torch.inference_mode():
-        return model(**inputs).reshape(-1)
+        return EagerModel(model, input_schema(spec).tags)(inputs).reshape(-1)
 
 
 def is_file_mapped(tensor: torch.Tensor, path) -> bool:

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from archive_tools.build import ServingConfig, VerificationFailed, build_archive
-from archive_tools.synthetic import items_request
 from archive_tools.verification import ValidationData, auc, normalized_entropy
-from handlers.factory import DLRMFactory
+from handlers.modeling.factory import DLRMFactory
 from tests.conftest import TINY_SPEC
+from tests.helpers import items_request
 
 
 def test_auc_and_normalized_entropy_on_known_cases():

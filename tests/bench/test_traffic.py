@@ -4,13 +4,14 @@ import numpy as np
 import orjson
 
 from benchmarks.traffic import Traffic, TrafficModel
-from handlers.decode import RequestDecoder
+from handlers.modeling.registry import input_schema
+from handlers.runtime.wire.json_request import RequestDecoder
 
 
 def test_generated_requests_decode_and_repeat_the_user_context(tiny_spec):
     model = TrafficModel(items_per_request=10, mean_bag=2.0, candidate_features=("item_id",))
     traffic = model.generate(tiny_spec, num_requests=20, seed=0)
-    decoder = RequestDecoder(tiny_spec)
+    decoder = RequestDecoder(input_schema(tiny_spec))
     for body in traffic.bodies:
         decoder.decode(body)  # raises on anything the server would refuse
         items = orjson.loads(body)["items"]
@@ -23,7 +24,7 @@ def test_generated_requests_decode_and_repeat_the_user_context(tiny_spec):
 def test_ranker_requests_carry_one_context(ranker_spec):
     traffic = TrafficModel(items_per_request=5).generate(ranker_spec, num_requests=3, seed=1)
     for body in traffic.bodies:
-        assert RequestDecoder(ranker_spec).decode(body).inputs.num_items == 5
+        assert RequestDecoder(input_schema(ranker_spec)).decode(body).inputs.num_items == 5
         assert len(orjson.loads(body)["context"]) == ranker_spec.context_features
 
 

@@ -6,7 +6,6 @@ and weighted ids, are coalesced into shared forwards and still get exactly their
 from __future__ import annotations
 
 import json
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,10 +13,10 @@ import pytest
 
 from archive_tools.build import ServingConfig, build_archive
 from archive_tools.local_server import LocalTorchServe
-from archive_tools.synthetic import items_request
-from handlers.service import ScoringService
+from handlers.runtime.service import ScoringService
 from tests.conftest import RANKER_SPEC
-from tests.handlers.test_decode import RANKER_BAD_REQUESTS
+from tests.handlers.runtime.test_decode import RANKER_BAD_REQUESTS
+from tests.helpers import archive_service, items_request
 
 pytestmark = pytest.mark.integration
 
@@ -40,10 +39,7 @@ def archive(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(archive, tmp_path_factory) -> ScoringService:
-    unpacked = tmp_path_factory.mktemp("ranker")
-    with zipfile.ZipFile(archive) as z:
-        z.extractall(unpacked)
-    return ScoringService.from_files(unpacked / "spec.yaml", unpacked / "weights.pt")
+    return archive_service(archive, tmp_path_factory.mktemp("ranker"))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +51,7 @@ def server(archive):
 
 
 def _solo(reference: ScoringService, request: dict) -> list[float]:
-    return json.loads(reference.handle([json.dumps(request).encode()])[0].body)["scores"]
+    return json.loads(reference.handle([json.dumps(request).encode()]).responses[0].body)["scores"]
 
 
 def test_concurrent_requests_share_forwards_and_score_as_alone(server, reference, ranker_spec):

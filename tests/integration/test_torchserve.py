@@ -19,12 +19,12 @@ import torch
 from archive_tools.build import ServingConfig, build_archive
 from archive_tools.local_server import LocalTorchServe
 from archive_tools.verification import Bounds
-from handlers.export import Artifact
-from archive_tools.synthetic import items_request
-from handlers.service import ScoringService
-from handlers.split import SplitPlan
+from handlers.runtime.artifacts import Artifact
+from handlers.runtime.service import ScoringService
+from handlers.runtime.split import SplitPlan
 from tests.conftest import TINY_SPEC
-from tests.handlers.test_decode import BAD_REQUESTS
+from tests.handlers.runtime.test_decode import BAD_REQUESTS
+from tests.helpers import archive_service, items_request
 
 pytestmark = pytest.mark.integration
 
@@ -69,9 +69,7 @@ def model_store(tmp_path_factory) -> Path:
 
 
 def _in_process(archive: Path, tmp: Path) -> ScoringService:
-    with zipfile.ZipFile(archive) as z:
-        z.extractall(tmp)
-    return ScoringService.from_files(tmp / "spec.yaml", tmp / "weights.pt")
+    return archive_service(archive, tmp)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +91,7 @@ def server(model_store):
 
 
 def _expected(service: ScoringService, request: dict) -> dict:
-    return json.loads(service.handle([json.dumps(request).encode()])[0].body)
+    return json.loads(service.handle([json.dumps(request).encode()]).responses[0].body)
 
 
 def test_served_scores_equal_in_process_scores(server, reference, tiny_spec):
@@ -125,6 +123,9 @@ def test_exported_compiled_and_split_archives_answer_like_eager(server, referenc
     for request, served in zip(requests_, responses):
         assert served.status_code == 200, served.text
         assert served.json()["scores"] == pytest.approx(_expected(reference["1.0"], request)["scores"], abs=1e-6)
+    worker = _describe_worker(server, name)
+    assert not worker["imports_torchrec"] and not worker["imports_torchao"], worker
+    assert worker["runs"].startswith(artifact.value)
     running = (
         f"sparse {SPLIT_PLAN.sparse_file}, dense {SPLIT_PLAN.dense_file} on cpu"
         if artifact == Artifact.SPLIT
@@ -134,12 +135,25 @@ def test_exported_compiled_and_split_archives_answer_like_eager(server, referenc
     assert server.management("DELETE", f"/models/{name}").status_code == 200
 
 
+def test_an_eager_worker_runs_torchrec_modules(server):
+    """The control for the graph workers above: the describe call does see TorchRec imported."""
+    worker = _describe_worker(server, "tiny")
+    assert worker["imports_torchrec"] and worker["runs"] == "eager (weights.pt)", worker
+
+
+def _describe_worker(server: LocalTorchServe, name: str) -> dict:
+    """What the model's worker reports about itself (GET /models/NAME?customized=true)."""
+    described = server.management("GET", f"/models/{name}", params={"customized": "true"})
+    assert described.status_code == 200, described.text
+    return described.json()[0]["customizedMetadata"]
+
+
 def test_unzipped_archive_of_random_quantized_tables_is_served(server, model_store, tiny_spec):
     folder = model_store / "tiny_folder"
     assert (folder / "MAR-INF" / "MANIFEST.json").exists() and (folder / "weights.pt").exists()
     response = server.register("tiny_folder", initial_workers=1)
     assert response.status_code == 200, response.text
-    reference = ScoringService.from_files(folder / "spec.yaml", folder / "weights.pt")
+    reference = archive_service(folder, folder)
     request = items_request(tiny_spec, 9, seed=11, max_bag=4)
     served = server.predict("tiny_folder", request)
     assert served.status_code == 200, served.text
@@ -205,12 +219,19 @@ def test_request_over_size_limit_is_refused(server):
     server.check_alive()
 
 
-def test_requests_without_token_are_refused(server, tiny_spec):
+def test_requests_without_a_valid_token_are_refused(server, tiny_spec):
+    """TorchServe 0.12 answers a missing or wrong key with 400 InvalidKeyException."""
     body = json.dumps(items_request(tiny_spec, 1, seed=1))
-    response = requests.post(f"{server.inference_url}/predictions/tiny", data=body, timeout=30)
-    assert 400 <= response.status_code < 500
-    response = requests.get(f"{server.management_url}/models", timeout=30)
-    assert 400 <= response.status_code < 500
+    wrong = {"Authorization": "Bearer not-the-key"}
+    for response in (
+        requests.post(f"{server.inference_url}/predictions/tiny", data=body, timeout=30),
+        requests.post(f"{server.inference_url}/predictions/tiny", data=body, headers=wrong, timeout=30),
+        requests.get(f"{server.management_url}/models", timeout=30),
+        requests.get(f"{server.management_url}/models", headers=server.auth("inference"), timeout=30),
+    ):
+        assert response.status_code == 400, response.text
+        assert response.json()["type"] == "InvalidKeyException"
+        assert "Token Authorization failed" in response.json()["message"]
 
 
 def test_management_api_versions_scale_and_unregister(server, reference, tiny_spec):

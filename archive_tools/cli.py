@@ -1,0 +1,317 @@
+"""``torchrec-serve``: the project's commands.
+
+    torchrec-serve build --spec criteo --artifact aoti       # a .mar in model_store/
+    torchrec-serve verify model_store/criteo.mar --seed 0     # an archive against its float model
+    torchrec-serve serve model_store/criteo.mar               # TorchServe with our config, until Ctrl-C
+    torchrec-serve bench criteo                               # a benchmark scenario
+    torchrec-serve spec-docs                                  # regenerate the spec's schema and docs
+
+A failure prints one line on stderr naming the problem (``--debug`` shows the traceback) and exits
+with a code per kind of failure, so scripts can tell them apart: see ``EXIT_CODES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from archive_tools.archives import archive_folder, load_archive
+from archive_tools.build import (
+    ARCHIVE_FORMATS,
+    ServingConfig,
+    VerificationFailed,
+    build_archive,
+)
+from archive_tools.local_server import LocalTorchServe, PortTaken, ServerDied
+from archive_tools.resources import spec_path
+from archive_tools.verification import Bounds, ValidationData, ValidationDataError, verify
+from handlers.loading import SPEC_FILE
+from handlers.modeling.checkpoint import read_checkpoint
+from handlers.modeling.eager import eager_service
+from handlers.modeling.errors import CheckpointError, SpecError
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.registry import load_spec
+from handlers.runtime.artifacts import Artifact
+from handlers.runtime.split import DENSE_ARTIFACTS, DEVICES, SPARSE_ARTIFACTS, SplitPlan
+
+# Exit codes, one per kind of failure (2 is also argparse's, for a bad command line).
+EXIT_CODES = {
+    VerificationFailed: 1,
+    SpecError: 3,
+    CheckpointError: 4,
+    ValidationDataError: 5,
+    ServerDied: 6,
+    PortTaken: 6,
+    FileNotFoundError: 7,
+    FileExistsError: 7,
+    ValueError: 2,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except tuple(EXIT_CODES) as error:
+        if args.debug:
+            raise
+        kind = next(code for cls, code in EXIT_CODES.items() if isinstance(error, cls))
+        print(f"torchrec-serve {args.command}: error: {error}", file=sys.stderr)
+        return kind
+
+
+# -- the commands --------------------------------------------------------------------------------
+
+
+def _build(args: argparse.Namespace) -> int:
+    if args.init == "quantized" and args.checkpoint is not None:
+        raise ValueError("--init quantized makes random tables; it does not read --checkpoint")
+    artifact = Artifact(args.artifact)
+    split_options = {"sparse": args.sparse, "dense": args.dense, "dense_device": args.dense_device}
+    given = {k: v for k, v in split_options.items() if v is not None}
+    if given and artifact != Artifact.SPLIT:
+        raise ValueError(f"--{'/--'.join(given).replace('_', '-')}: only with --artifact split")
+    build_archive(
+        spec_path(args.spec),
+        checkpoint=args.checkpoint,
+        seed=args.seed,
+        name=args.name,
+        version=args.version,
+        model_store=args.model_store,
+        serving=ServingConfig(
+            batch_size=args.batch_size,
+            max_batch_delay_ms=args.max_batch_delay,
+            workers=args.workers,
+            intra_op_threads=args.intra_op_threads,
+        ),
+        bounds=_bounds(args),
+        validation=args.validation,
+        quantized_init=args.init == "quantized",
+        archive_format=args.archive_format,
+        artifact=artifact,
+        split=SplitPlan.from_options(given) if artifact == Artifact.SPLIT else None,
+    )
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """The archive, loaded as a worker loads it, against the float model of its own spec with
+    the given weights, on validation data."""
+    with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
+        folder = archive_folder(args.archive, Path(tmp))
+        spec = load_spec(folder / SPEC_FILE)
+        factory = DLRMFactory(spec)
+        reference_model = factory.float_model(seed=args.seed)
+        if args.checkpoint is not None:
+            factory.load_checkpoint(reference_model, read_checkpoint(args.checkpoint))
+        reference = eager_service(spec, reference_model)
+        served = load_archive(folder, Path(tmp))
+        data = (
+            ValidationData.from_jsonl(args.validation)
+            if args.validation is not None
+            else ValidationData.generated(spec, reference, 64, 16, args.seed)
+        )
+        report = verify(served, reference, data, _bounds(args))
+    for line in report.lines("float"):
+        print(line)
+    if not report.passed:
+        raise VerificationFailed(f"{args.archive}: " + "; ".join(report.failures))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """TorchServe with our configuration; the archives registered; until Ctrl-C."""
+    store = args.model_store.resolve()
+    with LocalTorchServe(model_store=store, config=args.config, free_ports=args.free_ports) as server:
+        print(f"TorchServe: inference {server.inference_url}, management {server.management_url}, "
+              f"metrics {server.metrics_url}")
+        print(f"keys (Authorization: Bearer <key>): {server.workdir / 'key_file.json'}")
+        for archive in args.archives:
+            started = time.perf_counter()
+            response = server.register(Path(archive).name)
+            if response.status_code != 200:
+                raise ValueError(f"registering {archive}: {response.status_code} {response.text}")
+            print(f"registered {archive} in {time.perf_counter() - started:.1f}s")
+        print("serving; Ctrl-C stops the server")
+        while True:
+            server.check_alive()
+            time.sleep(1.0)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """The benchmark package runs on top of this one (it builds archives with it), so it runs as
+    a process of its own: ``python -m benchmarks``."""
+    command = [sys.executable, "-m", "benchmarks", args.scenario]
+    command += ["--out", str(args.out)] if args.out else []
+    for trace in args.trace:
+        command += ["--trace", trace]
+    return subprocess.call(command)
+
+
+def _spec_docs(args: argparse.Namespace) -> int:
+    from archive_tools.spec_docs import write_spec_docs
+
+    for path in write_spec_docs():
+        print(f"wrote {path}")
+    return 0
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchrec-serve",
+        description="Build, verify, serve and benchmark TorchRec models on TorchServe.",
+        epilog="exit codes: 0 ok, 1 verification failed, 2 bad arguments, 3 bad spec, 4 checkpoint "
+        "does not match, 5 bad validation file, 6 TorchServe failed, 7 missing or existing file",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _command(commands, "build", _build, "build a .mar (or archive folder) from a spec", _build_args)
+    _command(commands, "verify", _verify, "check an archive against its float model", _verify_args)
+    _command(commands, "serve", _serve, "run TorchServe with the project's config", _serve_args)
+    _command(commands, "bench", _bench, "run a benchmark scenario", _bench_args)
+    _command(commands, "spec-docs", _spec_docs, "regenerate spec.schema.json and SPEC.md", None)
+    return parser
+
+
+def _command(
+    commands: argparse._SubParsersAction,
+    name: str,
+    run: Callable[[argparse.Namespace], int],
+    help_text: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None,
+) -> None:
+    parser = commands.add_parser(
+        name, help=help_text, description=help_text,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
+    if add_arguments is not None:
+        add_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def _build_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--spec", required=True, help="model spec: a YAML file, or a shipped spec's name (criteo)"
+    )
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--checkpoint", type=Path, help="trained float state dict (torch.save)")
+    weights.add_argument("--seed", type=int, default=0, help="random weights from this seed (demo)")
+    parser.add_argument(
+        "--init",
+        choices=("float", "quantized"),
+        default="float",
+        help="float: a float model (checkpoint or seed), quantized and verified against it; "
+        "quantized: seeded random tables made in their served dtypes, never in float (huge models)",
+    )
+    parser.add_argument(
+        "--artifact",
+        choices=[a.value for a in Artifact],
+        default=Artifact.EAGER.value,
+        help="what the archive serves: aoti (AOTInductor package), exported (torch.export program), "
+        "eager (TorchRec modules on memory-mapped weights) or split (a sparse and a dense part, "
+        "see --sparse / --dense)",
+    )
+    defaults = SplitPlan()
+    parser.add_argument(
+        "--sparse",
+        choices=[a.value for a in SPARSE_ARTIFACTS],
+        help=f"split: the embedding lookups as (default {defaults.sparse.value}); eager keeps the "
+        "tables in the memory-mapped weights.pt, for tables of many GB",
+    )
+    parser.add_argument(
+        "--dense",
+        choices=[a.value for a in DENSE_ARTIFACTS],
+        help=f"split: the dense layers as (default {defaults.dense.value})",
+    )
+    parser.add_argument(
+        "--dense-device",
+        choices=DEVICES,
+        help=f"split: where the dense part runs (default {defaults.dense_device}; cuda needs "
+        "--dense exported)",
+    )
+    parser.add_argument(
+        "--archive-format",
+        choices=ARCHIVE_FORMATS,
+        default="default",
+        help="default: a zipped NAME.mar; no-archive: a folder NAME/ (no compression, no unpacking)",
+    )
+    parser.add_argument("--name", help="model name (default: the spec's name)")
+    parser.add_argument("--version", default="1.0", help="model version")
+    parser.add_argument("--model-store", type=Path, default=Path("model_store"))
+    parser.add_argument("--batch-size", type=int, default=ServingConfig.batch_size)
+    parser.add_argument(
+        "--max-batch-delay", type=int, default=ServingConfig.max_batch_delay_ms, help="ms"
+    )
+    parser.add_argument("--workers", type=int, default=ServingConfig.workers)
+    parser.add_argument("--intra-op-threads", type=int, default=ServingConfig.intra_op_threads)
+    _verification_args(parser)
+
+
+def _verify_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("archive", type=Path, help="a .mar, or an unzipped archive folder")
+    weights = parser.add_mutually_exclusive_group(required=True)
+    weights.add_argument("--checkpoint", type=Path, help="the trained float state dict it came from")
+    weights.add_argument("--seed", type=int, help="the seed it was built from (demo archives)")
+    _verification_args(parser)
+
+
+def _verification_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--validation",
+        type=Path,
+        help="JSON-lines validation requests, optionally with labels (default: generated from the spec)",
+    )
+    parser.add_argument(
+        "--max-score-diff",
+        type=float,
+        default=Bounds.max_abs_score_diff,
+        help="refuse if any validation score differs from the reference's by more",
+    )
+    parser.add_argument("--max-rel-score-diff", type=float, default=None, help="same, relative")
+    parser.add_argument("--max-auc-drop", type=float, default=Bounds.max_auc_drop)
+    parser.add_argument("--max-ne-increase", type=float, default=Bounds.max_ne_increase)
+
+
+def _bounds(args: argparse.Namespace) -> Bounds:
+    return Bounds(
+        max_abs_score_diff=args.max_score_diff,
+        max_rel_score_diff=args.max_rel_score_diff,
+        max_auc_drop=args.max_auc_drop,
+        max_ne_increase=args.max_ne_increase,
+    )
+
+
+def _serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("archives", nargs="*", help="archives in the model store to register")
+    parser.add_argument("--model-store", type=Path, default=Path("model_store"))
+    parser.add_argument("--config", type=Path, help="TorchServe config (default: the project's)")
+    parser.add_argument(
+        "--free-ports", action="store_true", help="listen on free ports, not the config's"
+    )
+
+
+def _bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", help="smoke, criteo, criteo-1tb, ...")
+    parser.add_argument("--out", type=Path, help="output folder (default benchmarks/results/SCENARIO)")
+    parser.add_argument(
+        "--trace", action="append", default=[], metavar="WORKLOAD=FILE",
+        help="replay a JSON-lines trace (one request body per line) instead of generated traffic",
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

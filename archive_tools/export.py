@@ -1,0 +1,109 @@
+"""Capturing the served model with ``torch.export``, and compiling it with AOTInductor.
+
+The captured module is ``PlainInputs`` around the model: it takes plain tensors laid out by the
+model's batch tags (``handlers.runtime.batching.plain_arguments``), so the same tags give the
+graph's dynamic shapes:
+
+* ``ROWS`` / ``CONTEXT`` ``[N or K, D]``: dim 0 dynamic (N items, or K requests);
+* ``JAGGED``: ``values [V]`` (and ``weights [V]``) with V dynamic, and ``lengths [F, N]``;
+* ``ITEM_COUNTS`` ``[K]``; ``STATIC``: as is.
+
+A graph takes batches of any size, except where TorchAO's int8 dynamic activation quantization is
+in it: that quantizer adds a guard against batch 1, so such graphs are captured for K >= 2 requests
+(``ModelSpec.min_requests``) and the service pads a single request with an empty one.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+from handlers.modeling import tbe
+from handlers.modeling.eager import PlainInputs
+from handlers.runtime.artifacts import aoti_weights_file
+from handlers.runtime.batching import Batch, plain_arguments
+from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds
+
+MAX_BATCH = 1 << 16
+MAX_VALUES = 1 << 28
+
+
+def dynamic_shapes(
+    tags: Sequence[InputTag], weighted: bool, min_batch: int = 1
+) -> tuple[dict[int, Dim] | None, ...]:
+    items = Dim("items", min=min_batch, max=MAX_BATCH)
+    requests = Dim("requests", min=min_batch, max=MAX_BATCH)
+    values = Dim("values", min=0, max=MAX_VALUES)
+    shapes: list[dict[int, Dim] | None] = []
+    for tag in tags:
+        if tag.kind == BatchKind.ROWS or (tag.kind == BatchKind.CONTEXT and tag.broadcast):
+            shapes.append({0: items})
+        elif tag.kind in (BatchKind.CONTEXT, BatchKind.ITEM_COUNTS):
+            shapes.append({0: requests})
+        elif tag.kind == BatchKind.JAGGED:
+            shapes += [{0: values}, {1: items}] + ([{0: values}] if weighted else [])
+        else:
+            shapes.append(None)
+    return tuple(shapes)
+
+
+def export_model(
+    model: nn.Module,
+    tags: Sequence[InputTag],
+    example: Batch,
+    min_batch: int = 1,
+) -> torch.export.ExportedProgram:
+    """Captures the served model (or a part of it) for batches of ``min_batch`` requests and more
+    (1: any size), tables stored once. ``example`` must have more than ``min_batch`` requests.
+    The model is prepared for capture in place (its TBEs skip bounds checks and name their tables)."""
+    _register_fake_classes()
+    tbe.drop_table_views(model)
+    tbe.name_table_buffers(model)
+    tbe.skip_bounds_checks(model)
+    weighted = any(isinstance(v, JaggedIds) and v.weights is not None for v in example.values())
+    plain = PlainInputs(model, tags, weighted).eval()
+    arguments = plain_arguments(example, tags)
+    with torch.inference_mode():
+        plain(*arguments)  # one eager forward fills buffers that TorchRec builds lazily
+    # Size checks the trace would turn into guards (batch == 1 among them) become runtime
+    # asserts instead, so a graph traced on the example's sizes still takes a batch of 1.
+    return torch.export.export(
+        plain,
+        arguments,
+        dynamic_shapes=(dynamic_shapes(tags, weighted, min_batch),),  # for *tensors
+        strict=False,
+        prefer_deferred_runtime_asserts_over_guards=True,
+    )
+
+
+def compile_aoti(program: torch.export.ExportedProgram, path: Path) -> Path:
+    """AOTInductor: the exported program compiled to a native package (C++ compiler needed), its
+    weights beside it (``aoti_weights_file``), by name, to be memory-mapped at load rather than
+    copied out of the package's shared library."""
+    package = Path(
+        torch._inductor.aoti_compile_and_package(
+            program,
+            package_path=str(path),
+            inductor_configs={"aot_inductor.package_constants_in_so": False},
+        )
+    )
+    state = {**program.state_dict, **program.constants}
+    needed = torch._inductor.aoti_load_package(str(package)).get_constant_fqns()
+    missing = [name for name in needed if not isinstance(state.get(name), torch.Tensor)]
+    if missing:
+        raise RuntimeError(f"{package}: needs weights that the exported program lacks: {missing}")
+    torch.save({name: state[name] for name in needed}, aoti_weights_file(package))
+    return package
+
+
+@functools.cache
+def _register_fake_classes() -> None:
+    """FBGEMM's script objects inside the TBEs need fake versions to be traced (once a process)."""
+    from torchrec.pt2.utils import register_fake_classes
+
+    register_fake_classes()

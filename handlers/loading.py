@@ -1,0 +1,70 @@
+"""Loading what an archive folder serves, as a worker does: the runtime's ``ScoringService`` over
+the runner of the artifact that the archive's ``handler`` options name.
+
+Graph artifacts (``aoti``, ``exported``, a split of those) load with the runtime alone: torch, the
+FBGEMM operators and ``handlers.runtime``. Only artifacts that run TorchRec modules (``eager``, or
+a split with eager lookups) import ``handlers.modeling``, and with it TorchRec and TorchAO, so a
+graph worker never pays for them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from handlers.runtime.artifacts import Artifact, GraphModel, Runner
+from handlers.runtime.device import worker_device
+from handlers.runtime.inputs import INPUTS_FILE, InputSchema
+from handlers.runtime.options import HandlerOptions
+from handlers.runtime.service import ScoringService
+from handlers.runtime.split import SplitModel, dense_tags, sparse_tags
+
+SPEC_FILE = "spec.yaml"
+
+
+def load_service(
+    model_dir: str | Path, options: HandlerOptions, gpu_id: int | None = None
+) -> ScoringService:
+    """The archive folder's model behind a scoring service; ``gpu_id``: the GPU TorchServe gave
+    this worker (used by models and dense parts that run on ``cuda``)."""
+    model_dir = Path(model_dir)
+    schema = InputSchema.from_file(model_dir / INPUTS_FILE)
+    return ScoringService(schema, load_runner(model_dir, schema, options, gpu_id))
+
+
+def load_runner(
+    model_dir: Path, schema: InputSchema, options: HandlerOptions, gpu_id: int | None
+) -> Runner:
+    if options.artifact == Artifact.EAGER:
+        return _eager_model(model_dir, gpu_id)
+    if options.artifact != Artifact.SPLIT:
+        return GraphModel(model_dir / options.artifact.file_name(), options.artifact, schema.tags)
+    plan = options.split
+    assert plan is not None  # HandlerOptions pairs a split artifact with its plan
+    dense = GraphModel(
+        model_dir / plan.dense_file,
+        plan.dense,
+        dense_tags(schema.tags),
+        worker_device(plan.dense_device, gpu_id),
+    )
+    if plan.sparse == Artifact.EAGER:
+        sparse = _eager_lookups(model_dir)
+    else:
+        sparse = GraphModel(model_dir / plan.sparse_file, plan.sparse, sparse_tags(schema.tags))
+    return SplitModel(sparse, dense, schema.tags)
+
+
+def _eager_model(model_dir: Path, gpu_id: int | None) -> Runner:
+    from handlers.modeling import eager  # TorchRec, only for artifacts that run its modules
+    from handlers.modeling.registry import load_spec
+
+    spec = load_spec(model_dir / SPEC_FILE)
+    device = worker_device(spec.sharding.device, gpu_id)
+    return eager.load_eager_model(spec, model_dir / Artifact.EAGER.file_name(), device)
+
+
+def _eager_lookups(model_dir: Path) -> Runner:
+    from handlers.modeling import eager  # TorchRec, only for artifacts that run its modules
+    from handlers.modeling.registry import load_spec
+
+    spec = load_spec(model_dir / SPEC_FILE)
+    return eager.load_eager_lookups(spec, model_dir / Artifact.EAGER.file_name())

@@ -1,0 +1,1 @@
+"""One module per architecture; ``handlers.modeling.registry`` finds them."""

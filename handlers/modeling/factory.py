@@ -1,0 +1,280 @@
+"""DLRMFactory: a spec -> its TorchRec model (any registered architecture), float or served.
+
+Two paths share the spec:
+
+* build time (archive tool): ``float_model()`` -> ``load_checkpoint()`` -> ``quantize()`` gives
+  ``InferenceWeights`` (per-table FBGEMM TBE rows + dense parameters), or ``random_weights()`` makes
+  them without any float table; ``save_weights()`` writes them in FBGEMM's flat TBE layout;
+* serve time (eager artifacts): ``load_weights()`` memory-maps that file and
+  ``inference_model(weights)`` builds the quantized model around it: unsharded on the cpu it runs on
+  the mapped buffers themselves, otherwise (sharded, or on CUDA) the rows are copied into the
+  model's own tables.
+
+Sharding uses TorchRec's inference sharding (``handlers.modeling.sharding``); the rows of every
+table shard are copied from the unsharded TBE rows, so a sharded model computes exactly what the
+unsharded one does.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from handlers.modeling import checkpoint, tbe
+from handlers.modeling.architecture import EBC_PATH
+from handlers.modeling.dense_precision import apply_dense_precision
+from handlers.modeling.errors import CheckpointError
+from handlers.modeling.registry import architecture_of
+from handlers.modeling.sharding import shard
+from handlers.modeling.spec import ModelSpec, Pooling, WeightDtype
+from handlers.modeling.weights import (
+    InferenceWeights,
+    TableRows,
+    copy_table_rows,
+    fill_random_table,
+    load_weights_file,
+    save_weights_file,
+)
+
+from fbgemm_gpu.split_table_batched_embeddings_ops_inference import rounded_row_size_in_bytes  # isort: skip
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig  # isort: skip
+from torchrec.inference.modules import quantize_inference_model  # isort: skip
+from torchrec.modules.embedding_configs import DataType, PoolingType  # isort: skip
+from torchrec.quant.embedding_modules import (  # isort: skip
+    EmbeddingBagCollection as QuantEmbeddingBagCollection,
+)
+
+_TORCHREC_DTYPE = {
+    WeightDtype.FP32: DataType.FP32,
+    WeightDtype.FP16: DataType.FP16,
+    WeightDtype.INT8: DataType.INT8,
+    WeightDtype.INT4: DataType.INT4,
+}
+_QUANT_DTYPE = {
+    WeightDtype.FP32: torch.float32,
+    WeightDtype.FP16: torch.float16,
+    WeightDtype.INT8: torch.qint8,
+    WeightDtype.INT4: torch.quint4x2,
+}
+_POOLING = {Pooling.SUM: PoolingType.SUM, Pooling.MEAN: PoolingType.MEAN}
+
+
+class DLRMFactory:
+    """Builds the spec's model, float or served. Holds no model state.
+
+    >>> factory = DLRMFactory(load_spec("config/models/tiny.yaml"))
+    >>> float_model = factory.float_model(seed=0)
+    >>> served = factory.inference_model(factory.quantize(float_model))
+    >>> served(dense_features, sparse_features)   # [B, 4], KJT -> logits [B, 1]
+    """
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.architecture = architecture_of(spec)
+
+    # -- float (training-shaped) model ------------------------------------------------------
+
+    def table_configs(self, *, with_dtypes: bool = False) -> list[EmbeddingBagConfig]:
+        return [
+            EmbeddingBagConfig(
+                name=t.name,
+                num_embeddings=t.rows,
+                embedding_dim=t.dim,
+                feature_names=list(t.features),
+                pooling=_POOLING[t.pooling],
+                data_type=_TORCHREC_DTYPE[t.weight_dtype] if with_dtypes else DataType.FP32,
+            )
+            for t in self.spec.tables
+        ]
+
+    def float_model(self, seed: int | None = None, device: str = "cpu") -> nn.Module:
+        """The float model as trained; random weights from ``seed`` until a checkpoint is loaded."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        return self._build(self._float_ebc(device), torch.device(device)).eval()
+
+    def load_checkpoint(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        """Loads a trained state dict strictly, after the spec's ``checkpoint_mapping``."""
+        checkpoint.load_checkpoint(model, state_dict, self.spec.checkpoint_mapping)
+
+    # -- served weights ------------------------------------------------------------------------
+
+    def quantize(self, float_model: nn.Module) -> InferenceWeights:
+        """Quantizes each table to its spec dtype with TorchRec (FBGEMM row-wise quantization)."""
+        quantized = quantize_inference_model(
+            copy.deepcopy(float_model),
+            per_table_weight_dtype={t.name: _QUANT_DTYPE[t.weight_dtype] for t in self.spec.tables},
+        )
+        tables = {
+            name: (rows.clone(), None if scale_bias is None else scale_bias.clone())
+            for name, (rows, scale_bias) in _table_views(quantized).items()
+        }
+        return InferenceWeights(tables=tables, dense=_dense_state(float_model))
+
+    def random_weights(self, seed: int) -> InferenceWeights:
+        """Seeded random weights created straight in the served layout: no float table ever exists.
+
+        For demos and benchmarks of models too large to hold in float (Criteo 1TB is 45 GB in fp32):
+        peak memory is the quantized tables plus the dense layers. Each table dequantizes to
+        uniform values in [-1/sqrt(rows), 1/sqrt(rows)], the scale of TorchRec's default init.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        model = self._quant_model(torch.device("cpu"))
+        buffers = self._zeroed_buffers(model)
+        for module in tbe.tbes(model):
+            for (_, _, _, sparse_type, *_), (values, scale_bias) in zip(
+                module.embedding_specs, module.split_embedding_weights()
+            ):
+                fill_random_table(values, scale_bias, sparse_type, generator)
+        torch.manual_seed(seed)  # the dense layers' own init
+        dense_model = self._build(self._float_ebc("meta"), torch.device("cpu"))
+        return InferenceWeights(_table_views(model), _dense_state(dense_model), buffers)
+
+    def table_bytes(self) -> dict[str, int]:
+        """Bytes each table takes in the served layout (rows x packed row size); allocates nothing."""
+        return {
+            name: rows * rounded_row_size_in_bytes(dim, sparse_type, tbe.ROW_ALIGNMENT)
+            for module in tbe.tbes(self._quant_model(torch.device("cpu")))
+            for name, rows, dim, sparse_type, *_ in module.embedding_specs
+        }
+
+    def save_weights(self, weights: InferenceWeights, path: str | Path) -> None:
+        """``weights.pt``: one flat buffer per TBE, in FBGEMM's layout, plus the dense state."""
+        buffers = weights.buffers
+        if buffers is None:
+            model = self._quant_model(torch.device("cpu"))
+            buffers = self._zeroed_buffers(model)
+            self._copy_rows(model, weights.tables)
+        save_weights_file(buffers, weights.dense, Path(path))
+
+    def load_weights(self, path: str | Path) -> InferenceWeights:
+        """Memory-maps ``weights.pt``: the tables cost page cache, shared by every process that maps
+        the file, and no anonymous copy."""
+        model = self._quant_model(torch.device("cpu"))
+        modules = tbe.tbes(model)
+        buffers, dense = load_weights_file(Path(path), len(modules))
+        self._attach_all(model, buffers)
+        return InferenceWeights(_table_views(model), dense, buffers)
+
+    # -- served model ----------------------------------------------------------------------------
+
+    def inference_model(
+        self, weights: InferenceWeights, device: torch.device | None = None
+    ) -> nn.Module:
+        """The served model: quantized TBE tables (sharded per the spec) + dense layers in the
+        spec's precision, on ``device`` (default: the spec's).
+
+        Tables are allocated directly in their quantized dtype; the float tables never exist. With
+        ``weights.buffers`` (a loaded file) an unsharded CPU model uses them without a copy.
+        """
+        model = self._with_tables(weights, device or torch.device(self.spec.sharding.device))
+        missing, unexpected = model.load_state_dict(weights.dense, strict=False)
+        dense_missing = [k for k in missing if not k.startswith(EBC_PATH + ".")]
+        if dense_missing or unexpected:
+            raise CheckpointError(
+                f"inference weights do not match the spec: missing {dense_missing}, "
+                f"unexpected {unexpected}"
+            )
+        return apply_dense_precision(model, self.spec).eval()
+
+    def lookups(self, weights: InferenceWeights) -> nn.Module:
+        """Only the served model's sparse part (the architecture's ``split``): its tables, as in
+        ``inference_model``; ``weights.dense`` is not needed."""
+        model = self._with_tables(weights, torch.device(self.spec.sharding.device))
+        sparse, _ = self.architecture.split(model)
+        return sparse.eval()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _build(self, ebc: nn.Module, device: torch.device) -> nn.Module:
+        return self.architecture.build(self.spec, ebc, device)
+
+    def _with_tables(self, weights: InferenceWeights, device: torch.device) -> nn.Module:
+        """The model with its served tables filled in (zero-copy where possible), dense layers not
+        loaded yet."""
+        model = self._quant_model(device)
+        zero_copy = weights.buffers is not None and device.type == "cpu" and not self.spec.is_sharded
+        if zero_copy:
+            self._attach_all(model, weights.buffers)  # type: ignore[arg-type]
+            return model
+        if self.spec.is_sharded:
+            model = shard(model, self.spec)  # the sharded modules allocate their own weights
+        else:
+            for module in tbe.tbes(model):
+                tbe.allocate(module)
+        tbe.refresh_table_views(model)
+        self._copy_rows(model, weights.tables)
+        return model
+
+    def _quant_model(self, device: torch.device) -> nn.Module:
+        """The model with quantized tables whose weight buffers are not allocated yet."""
+        # The float EBC only gives the model its shapes; on ``meta`` it allocates nothing.
+        model = self._build(self._float_ebc("meta"), device)
+        with tbe.deferred_tbe_weights():
+            qebc = QuantEmbeddingBagCollection(
+                tables=self.table_configs(with_dtypes=True),
+                is_weighted=self.spec.weighted_ids,
+                device=device,
+                output_dtype=torch.float,
+                register_tbes=True,
+                row_alignment=tbe.ROW_ALIGNMENT,
+            )
+        model.get_submodule(EBC_PATH.rsplit(".", 1)[0]).embedding_bag_collection = qebc
+        return model
+
+    def _attach_all(self, model: nn.Module, buffers: list[torch.Tensor]) -> None:
+        modules = tbe.tbes(model)
+        if len(modules) != len(buffers):
+            raise CheckpointError(
+                f"inference weights hold {len(buffers)} TBE buffers, the spec needs {len(modules)}"
+            )
+        for module, buffer in zip(modules, buffers):
+            try:
+                tbe.attach(module, buffer)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+        tbe.refresh_table_views(model)
+
+    def _zeroed_buffers(self, model: nn.Module) -> list[torch.Tensor]:
+        """Fresh zeroed buffers attached to the model's TBEs (padding stays 0: files reproduce)."""
+        buffers = [torch.zeros(m.host_size, dtype=torch.uint8) for m in tbe.tbes(model)]
+        self._attach_all(model, buffers)
+        return buffers
+
+    def _copy_rows(self, model: nn.Module, tables: dict[str, TableRows]) -> None:
+        shards = [
+            (name, rows, destination)
+            for module in tbe.tbes(model)
+            for (name, rows, *_), destination in zip(
+                module.embedding_specs, module.split_embedding_weights()
+            )
+        ]
+        copy_table_rows(shards, tables, {t.name: t.rows for t in self.spec.tables})
+
+    def _float_ebc(self, device: str) -> EmbeddingBagCollection:
+        return EmbeddingBagCollection(
+            tables=self.table_configs(),
+            is_weighted=self.spec.weighted_ids,
+            device=torch.device(device),
+        )
+
+
+def _table_views(model: nn.Module) -> dict[str, TableRows]:
+    return {
+        name: (rows, scale_bias)
+        for module in tbe.tbes(model)
+        for (name, *_), (rows, scale_bias) in zip(
+            module.embedding_specs, module.split_embedding_weights()
+        )
+    }
+
+
+def _dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        k: v.detach().clone()
+        for k, v in model.state_dict().items()
+        if not k.startswith(EBC_PATH + ".")
+    }

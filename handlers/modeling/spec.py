@@ -1,0 +1,254 @@
+"""The model description shared by the factory, the archive tool, the handler and the tests.
+
+A spec is YAML, parsed once into typed pydantic models (``handlers.modeling.registry.load_spec``
+picks the architecture's spec type by its ``architecture`` key) and validated on construction;
+every error names its key path, e.g. ``tables[2].dim: must equal bottom_mlp[-1] (64), got 32``.
+``config/models/spec.schema.json`` is the JSON Schema of all spec types, for editors, and
+``config/models/SPEC.md`` the reference generated from it.
+
+This module holds what every architecture shares (tables, sharding, limits, dense precision,
+checkpoint mapping); each architecture module adds its own keys by subclassing ``ModelSpec``.
+
+Example (``config/models/tiny.yaml``)::
+
+    name: tiny
+    dense_features: 4
+    bottom_mlp: [16, 8]
+    top_mlp: [16, 1]
+    tables:
+      - {name: t_user, rows: 100, dim: 8, features: [user_id], weight_dtype: int8}
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+from handlers.runtime.inputs import Limits, OutOfRangePolicy
+
+PositiveInt = Annotated[StrictInt, Field(gt=0)]
+Name = Annotated[StrictStr, Field(min_length=1)]
+LayerSizes = Annotated[tuple[PositiveInt, ...], Field(min_length=1)]
+
+
+class DensePrecision(str, enum.Enum):
+    """How one dense submodule (an MLP) runs in the served model: a float dtype, or TorchAO int8
+    weights with float (weight-only) or per-call int8 (dynamic) activations."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    INT8_WEIGHT_ONLY = "int8_weight_only"
+    INT8_DYNAMIC = "int8_dynamic"
+
+
+class Pooling(str, enum.Enum):
+    SUM = "sum"
+    MEAN = "mean"
+
+
+class WeightDtype(str, enum.Enum):
+    """Storage dtype of one embedding table in the served model (FBGEMM TBE kernels)."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
+class ShardingType(str, enum.Enum):
+    """TorchRec inference sharding of one table; ``auto`` lets TorchRec's planner choose."""
+
+    AUTO = "auto"
+    TABLE_WISE = "table_wise"
+    ROW_WISE = "row_wise"
+    COLUMN_WISE = "column_wise"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class TableSpec(_Section):
+    """One embedding table: its rows, width, the features that look it up, and how it is served."""
+
+    name: Name = Field(description="unique table name (its checkpoint key)")
+    rows: PositiveInt = Field(description="rows (ids 0..rows-1)")
+    dim: PositiveInt = Field(description="embedding width")
+    features: Annotated[tuple[Name, ...], Field(min_length=1)] = Field(
+        description="sparse features looked up in this table"
+    )
+    pooling: Pooling = Field(Pooling.SUM, description="how a bag of ids becomes one row")
+    weight_dtype: WeightDtype = Field(
+        WeightDtype.INT8, description="served dtype (FBGEMM row-wise quantization for int8/int4)"
+    )
+    sharding: ShardingType = Field(ShardingType.AUTO, description="TorchRec inference sharding")
+
+    @model_validator(mode="after")
+    def _servable(self) -> "TableSpec":
+        if self.weight_dtype == WeightDtype.INT4 and self.dim % 2:
+            raise ValueError(f"dim: int4 tables need an even dim, got {self.dim}")
+        if self.sharding == ShardingType.COLUMN_WISE:
+            # Measured on torchrec 1.8: the quantized sharder splits the packed byte rows, not the
+            # embedding dim, so pooled outputs come back twice as wide and the model fails.
+            raise ValueError(
+                "sharding: column_wise sharding of quantized tables is broken in torchrec 1.8 "
+                "inference (it splits the packed byte rows); use table_wise or row_wise"
+            )
+        return self
+
+
+class ShardingSpec(_Section):
+    """Where the model runs: ``world_size`` ranks of one device type."""
+
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="cuda: each worker runs on the GPU TorchServe assigns it"
+    )
+    world_size: PositiveInt = Field(1, description="ranks the tables are sharded over")
+
+
+class LimitsSpec(_Section):
+    """Caps on a single request; anything above is a 400 naming the field."""
+
+    max_items_per_request: PositiveInt = Field(
+        Limits.max_items_per_request, description="items in one request"
+    )
+    max_ids_per_bag: PositiveInt = Field(Limits.max_ids_per_bag, description="ids in one bag")
+    max_items_per_forward: PositiveInt = Field(
+        Limits.max_items_per_forward,
+        description="items in one forward; a larger TorchServe batch runs as several forwards",
+    )
+
+    @model_validator(mode="after")
+    def _request_fits_a_forward(self) -> "LimitsSpec":
+        if self.max_items_per_request > self.max_items_per_forward:
+            raise ValueError(
+                "max_items_per_request: must not exceed max_items_per_forward "
+                f"({self.max_items_per_forward}), got {self.max_items_per_request}"
+            )
+        return self
+
+    def to_limits(self) -> Limits:
+        return Limits(**self.model_dump())
+
+
+class CheckpointMapping(_Section):
+    """Rewrites checkpoint parameter names into the model's, by prefix, in declaration order.
+
+    ``{"model.": ""}`` strips the prefix of TorchRec's ``DLRMTrain`` wrapper; a full table prefix
+    renames a table.
+    """
+
+    prefixes: dict[StrictStr, StrictStr] = Field(
+        {}, description="checkpoint name prefix -> model name prefix, applied in order"
+    )
+
+    def apply(self, name: str) -> str:
+        for old, new in self.prefixes.items():
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        return name
+
+
+class ModelSpec(_Section):
+    """What every architecture's spec has. ``dense_features``: per-item dense input width;
+    ``weighted_ids``: every id may carry a float weight (weighted sum pooling);
+    ``dense_precision``: submodule -> precision for the served model, fp32 where unnamed."""
+
+    # The dense submodules (attribute names on the model) that dense_precision may name.
+    DENSE_SUBMODULES: ClassVar[tuple[str, ...]] = ()
+
+    name: Name = Field(description="the model's name (the archive's, unless the build names another)")
+    architecture: str
+    dense_features: PositiveInt = Field(description="dense (float) features per item")
+    tables: Annotated[tuple[TableSpec, ...], Field(min_length=1)] = Field(
+        description="the embedding tables, in model order"
+    )
+    weighted_ids: StrictBool = Field(False, description="ids may carry float weights (sum pooling)")
+    dense_precision: dict[str, DensePrecision] = Field(
+        {}, description="dense submodule -> precision in the served model (fp32 where not named)"
+    )
+    sharding: ShardingSpec = Field(ShardingSpec(), description="where the model runs")
+    out_of_range: OutOfRangePolicy = Field(
+        OutOfRangePolicy.REJECT, description="an id outside its table: reject (400) or hash (mod rows)"
+    )
+    limits: LimitsSpec = Field(LimitsSpec(), description="caps on requests and forwards")
+    checkpoint_mapping: CheckpointMapping = Field(
+        CheckpointMapping(), description="how trained checkpoint names map to the model's"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ModelSpec":
+        seen_tables: set[str] = set()
+        seen_features: set[str] = set()
+        for i, t in enumerate(self.tables):
+            if t.name in seen_tables:
+                raise ValueError(f"tables[{i}].name: duplicate table name {t.name!r}")
+            seen_tables.add(t.name)
+            for f in t.features:
+                if f in seen_features:
+                    raise ValueError(f"tables[{i}].features: feature {f!r} is used by two tables")
+                seen_features.add(f)
+            if self.weighted_ids and t.pooling != Pooling.SUM:
+                raise ValueError(
+                    f"tables[{i}].pooling: weighted_ids needs sum pooling (per-id weights scale a "
+                    f"sum), got {t.pooling.value}"
+                )
+            if t.sharding == ShardingType.ROW_WISE and t.pooling == Pooling.MEAN:
+                # Measured: each row shard averages only its own ids, so the sum of shard means is wrong.
+                raise ValueError(
+                    f"tables[{i}].sharding: row_wise sharding gives wrong results with mean pooling "
+                    "(each shard averages its own ids); use table_wise or sum pooling"
+                )
+            if self.is_sharded and t.weight_dtype in (WeightDtype.FP32, WeightDtype.FP16):
+                # Measured on torchrec 1.8: its inference sharding needs per-row scale/bias.
+                raise ValueError(
+                    f"tables[{i}].weight_dtype: a sharded model needs int8 or int4 tables (torchrec "
+                    f"1.8 inference sharding cannot shard {t.weight_dtype.value} tables), got "
+                    f"{t.weight_dtype.value}"
+                )
+        for name in self.dense_precision:
+            if name not in self.DENSE_SUBMODULES:
+                raise ValueError(
+                    f"dense_precision.{name}: not a dense submodule of {self.architecture} "
+                    f"(one of {', '.join(self.DENSE_SUBMODULES)})"
+                )
+        return self
+
+    @property
+    def is_sharded(self) -> bool:
+        """Sharded with TorchRec when spread over several ranks or a table asks for a layout."""
+        return self.sharding.world_size > 1 or any(
+            t.sharding != ShardingType.AUTO for t in self.tables
+        )
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        """All sparse features in model order: the tables' features, table by table."""
+        return tuple(f for t in self.tables for f in t.features)
+
+    @property
+    def feature_rows(self) -> tuple[int, ...]:
+        """Row count of the table behind each feature, aligned with ``feature_names``."""
+        return tuple(t.rows for t in self.tables for _ in t.features)
+
+    @property
+    def min_requests(self) -> int:
+        """The fewest requests (and items) a graph of this model is captured for: 2 where TorchAO's
+        int8 dynamic activation quantization guards against batch 1, else 1."""
+        return 2 if DensePrecision.INT8_DYNAMIC in self.dense_precision.values() else 1
+
+    def replace(self, **changes: Any) -> "ModelSpec":
+        """A validated copy with ``changes`` applied (sections may be given as models or dicts)."""
+        return type(self).model_validate({**dict(self), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain YAML-safe values; ``parse_spec(spec.to_dict()) == spec``."""
+        return self.model_dump(mode="json")
+
+    def to_yaml(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))

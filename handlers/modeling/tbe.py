@@ -1,0 +1,130 @@
+"""Every touch of FBGEMM's table-batched embedding (TBE) modules that their public API does not
+offer, in one place. ``tests/handlers/modeling/test_library_contracts.py`` fails loudly when
+FBGEMM or TorchRec change what these rely on.
+
+Why each exists:
+
+* ``deferred_tbe_weights``: TorchRec's quantized EmbeddingBagCollection builds each TBE and at once
+  zero-fills its whole weight buffer (``initialize_weights``); there is no argument to skip it.
+  For tables that come from a memory-mapped file that is a wasted second copy (6 GiB for Criteo
+  1TB), so within this block the fill makes ``meta`` tensors instead.
+* ``attach``: FBGEMM can only copy rows into its own buffer (``assign_embedding_weights``); to
+  run on a memory-mapped file without a copy, the TBE's host buffer is replaced by the mapping.
+* ``skip_bounds_checks``: the bounds-check mode is a constructor argument TorchRec does not pass
+  through; the decoder has already checked every id, and the check's data-dependent guards stop
+  AOTInductor.
+* ``name_table_buffers``: a TBE keeps its weights as plain attributes, which ``torch.export``
+  lifts as anonymous constants; registered as buffers they keep stable names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import torch
+from torch import nn
+
+import fbgemm_gpu  # noqa: F401  isort: skip  registers the TBE operators
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode  # isort: skip
+from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (  # isort: skip
+    IntNBitTableBatchedEmbeddingBagsCodegen as TBE,
+)
+from torchrec.quant.embedding_modules import (  # isort: skip
+    EmbeddingBagCollection as QuantEmbeddingBagCollection,
+)
+from torchrec.tensor_types import UInt4Tensor  # isort: skip
+
+# FBGEMM pads each TBE row (scale/bias + packed values) to this many bytes. TorchRec's default, 16,
+# turns a 68-byte int8 row of dim 64 into 80 bytes; 4 keeps the rows packed and the kernels exact.
+ROW_ALIGNMENT = 4
+
+_DEFERRAL = threading.Lock()  # the class attribute below is process-wide while patched
+
+
+@contextlib.contextmanager
+def deferred_tbe_weights() -> Iterator[None]:
+    """TBEs built inside this block get weight buffers on ``meta``: the right size, no memory.
+    ``attach`` or ``allocate`` gives them real weights. FBGEMM is restored on exit."""
+
+    def on_meta(tbe: TBE) -> None:
+        tbe.weights_host = torch.empty(tbe.host_size, dtype=torch.uint8, device="meta")
+        tbe.weights_dev = torch.empty(tbe.dev_size, dtype=torch.uint8, device="meta")
+        tbe.weight_initialized = True
+
+    with _DEFERRAL:
+        original = TBE.initialize_weights
+        TBE.initialize_weights = on_meta
+        try:
+            yield
+        finally:
+            TBE.initialize_weights = original
+
+
+def tbes(model: nn.Module) -> list[TBE]:
+    """The model's TBE modules, in rank order (TorchRec registers them as submodules when asked
+    with ``register_tbes``, as ``quantize_inference_model`` and the factory do)."""
+    return [m for m in model.modules() if isinstance(m, TBE)]
+
+
+def attach(tbe: TBE, buffer: torch.Tensor) -> None:
+    """Makes ``buffer`` (flat uint8 in this TBE's layout) the TBE's host weights, uncopied."""
+    if tbe.dev_size or tbe.uvm_size:
+        raise ValueError("only CPU-resident TBE weights can be attached without a copy")
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != tbe.host_size:
+        raise ValueError(
+            f"TBE buffer for tables {[s[0] for s in tbe.embedding_specs]} must be uint8 "
+            f"[{tbe.host_size}], got {buffer.dtype} {list(buffer.shape)}"
+        )
+    tbe.weights_host = buffer
+    tbe.initialize_logical_weights_placements_and_offsets()  # what FBGEMM's allocation also sets
+
+
+def allocate(tbe: TBE) -> None:
+    """Gives a deferred TBE its own zeroed weights on its device."""
+    tbe.weight_initialized = False
+    tbe.initialize_weights()
+
+
+def refresh_table_views(model: nn.Module) -> None:
+    """Points each quantized EBC's per-table ``weight`` buffers (what ``state_dict`` shows) at its
+    TBEs' current weights; TorchRec registers them as views once, at construction."""
+    for qebc in model.modules():
+        if not isinstance(qebc, QuantEmbeddingBagCollection):
+            continue
+        for tbe in qebc.tbes:
+            views = tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)
+            for (name, *_), (rows, *_) in zip(tbe.embedding_specs, views):
+                table = qebc.embedding_bags[name]
+                table.weight = UInt4Tensor(rows) if isinstance(table.weight, UInt4Tensor) else rows
+
+
+def skip_bounds_checks(model: nn.Module) -> None:
+    """No per-call id bounds check in the model's TBEs (the decoder has refused or hashed every
+    id outside its table)."""
+    for tbe in tbes(model):
+        tbe.bounds_check_mode_int = BoundsCheckMode.NONE.value
+
+
+def name_table_buffers(model: nn.Module) -> None:
+    """Registers each TBE's tables (and their placement and offset arrays) as non-persistent
+    buffers, so that export keeps their module names (a compiled package's weights are saved and
+    loaded by them)."""
+    for tbe in tbes(model):
+        registered = dict(tbe.named_buffers(recurse=False))
+        for name in ("weights_host", "weights_placements", "weights_offsets"):
+            if name not in registered:
+                tensor = getattr(tbe, name)
+                delattr(tbe, name)
+                tbe.register_buffer(name, tensor, persistent=False)
+
+
+def drop_table_views(model: nn.Module) -> None:
+    """Removes the quantized EBC's per-table ``weight`` views (kept for ``state_dict``): exported
+    as they are, the tables would be stored twice. The TBEs hold the real ones."""
+    for qebc in model.modules():
+        if isinstance(qebc, QuantEmbeddingBagCollection):
+            for table in qebc.embedding_bags.values():
+                if "weight" in dict(table.named_buffers(recurse=False)):
+                    delattr(table, "weight")

@@ -1,0 +1,143 @@
+"""The coalescer: K decoded requests -> the inputs of one forward -> K answers.
+
+It reads only the inputs' batch tags (``handlers.runtime.inputs``) and knows nothing about the
+model. The batch it makes is what every artifact takes: plain tensors, with each jagged input as
+``JaggedIds`` (lengths [F, N] feature-major, values and weights permuted to match by FBGEMM).
+
+Example::
+
+    batch = coalesce(requests, schema.tags)   # {"dense_features": [N, D], "sparse_features": JaggedIds}
+    outputs = split_outputs(model(batch), [r.num_items for r in requests])
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence, Union
+
+import torch
+
+import fbgemm_gpu  # noqa: F401  registers torch.ops.fbgemm.permute_1D_sparse_data
+from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds, RequestInputs, RequestTensor
+
+BatchInput = Union[torch.Tensor, JaggedIds]
+Batch = dict[str, BatchInput]
+
+
+def coalesce(requests: Sequence[RequestInputs], tags: Sequence[InputTag]) -> Batch:
+    """Concatenates K requests into the inputs of one forward over all their items."""
+    counts = torch.tensor([r.num_items for r in requests], dtype=torch.int64)
+    batch: Batch = {}
+    for tag in tags:
+        if tag.kind == BatchKind.ITEM_COUNTS:
+            batch[tag.name] = counts
+            continue
+        parts = [r.tensors[tag.name] for r in requests]
+        if tag.kind == BatchKind.ROWS:
+            batch[tag.name] = _cat_rows(parts)
+        elif tag.kind == BatchKind.CONTEXT:
+            rows = _cat_rows(parts)
+            batch[tag.name] = (
+                torch.repeat_interleave(rows, counts, dim=0, output_size=int(counts.sum()))
+                if tag.broadcast
+                else rows
+            )
+        elif tag.kind == BatchKind.STATIC:
+            batch[tag.name] = _one_static(tag.name, parts)
+        else:
+            batch[tag.name] = _coalesce_jagged(parts)
+    return batch
+
+
+def plain_arguments(batch: Batch, tags: Sequence[InputTag]) -> tuple[torch.Tensor, ...]:
+    """The batch as a graph's positional tensors, in tag order; a jagged input gives
+    ``values [V], lengths [F, N]`` and, when weighted, ``weights [V]``."""
+    arguments: list[torch.Tensor] = []
+    for tag in tags:
+        value = batch[tag.name]
+        if isinstance(value, JaggedIds):
+            arguments += [value.values, value.lengths]
+            if value.weights is not None:
+                arguments.append(value.weights)
+        else:
+            arguments.append(value)
+    return tuple(arguments)
+
+
+def _cat_rows(parts: Sequence[RequestTensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # type: ignore[arg-type]
+
+
+def _one_static(name: str, parts: Sequence[RequestTensor]) -> torch.Tensor:
+    """An input without a batch dimension can only be shared by requests that agree on it."""
+    first = parts[0]
+    for k, part in enumerate(parts[1:], start=1):
+        if not torch.equal(part, first):  # type: ignore[arg-type]
+            raise ValueError(f"{name}: request {k} differs from request 0; a static input must match")
+    return first  # type: ignore[return-value]
+
+
+def _coalesce_jagged(parts: Sequence[JaggedIds]) -> JaggedIds:
+    if len(parts) == 1:
+        return parts[0]
+    num_features = parts[0].lengths.shape[0]
+    weighted = parts[0].weights is not None
+    lengths = torch.cat([p.lengths for p in parts], dim=1)
+    # values arrive request-major (k, f) in segments; the batch wants feature-major (f, k).
+    segment_lengths = torch.stack([p.lengths.sum(dim=1) for p in parts]).reshape(-1)
+    feature_major = (
+        torch.arange(len(parts) * num_features)
+        .reshape(len(parts), num_features)
+        .t()
+        .reshape(-1)
+        .to(torch.int32)
+    )
+    _, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
+        feature_major,
+        segment_lengths,
+        torch.cat([p.values for p in parts]),
+        torch.cat([p.weights for p in parts]) if weighted else None,  # type: ignore[misc]
+    )
+    return JaggedIds(lengths=lengths, values=values, weights=weights)
+
+
+def padding_request(like: RequestInputs, tags: Sequence[InputTag]) -> RequestInputs:
+    """One item of zero rows and empty bags, shaped like ``like``: fills a batch up to the size a
+    graph was captured for. Its output is dropped."""
+    tensors: dict[str, RequestTensor] = {}
+    for tag in tags:
+        if tag.kind == BatchKind.ITEM_COUNTS:
+            continue
+        part = like.tensors[tag.name]
+        if isinstance(part, JaggedIds):
+            tensors[tag.name] = JaggedIds(
+                lengths=part.lengths.new_zeros(len(tag.keys), 1),
+                values=part.values[:0],
+                weights=None if part.weights is None else part.weights[:0],
+            )
+        elif tag.kind == BatchKind.STATIC:
+            tensors[tag.name] = part
+        else:  # ROWS and CONTEXT: [1, ...] per item / per request
+            tensors[tag.name] = part.new_zeros(1, *part.shape[1:])
+    return RequestInputs(num_items=1, tensors=tensors)
+
+
+def split_outputs(output: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+    """[N, ...] -> one [n_k, ...] tensor per request, in request order."""
+    return list(torch.split(output, list(counts), dim=0))
+
+
+def chunk_by_items(requests: Sequence[RequestInputs], max_items: int) -> Iterator[list[int]]:
+    """Groups request indices, in order, so that no group exceeds ``max_items`` items.
+
+    Each request must itself fit (the decoder caps a request below the forward cap).
+    """
+    chunk: list[int] = []
+    items = 0
+    for i, request in enumerate(requests):
+        if chunk and items + request.num_items > max_items:
+            yield chunk
+            chunk, items = [], 0
+        chunk.append(i)
+        items += request.num_items
+    if chunk:
+        yield chunk

@@ -1,0 +1,188 @@
+"""What a served model takes: its inputs with their batch tags, and the facts the decoder checks.
+
+An architecture declares its inputs once (``handlers.modeling.architectures``); the archive tool
+writes them, with the feature tables' row counts and the request limits, into the archive's
+``inputs.json``. The serve-time runtime reads only that file, so a worker serving a graph never
+imports the code that built the model.
+
+Batch tags, for K requests of n_1..n_K items (N = sum):
+
+* ``ROWS``        [n_k, D] per request      -> [N, D]
+* ``JAGGED``      bags of ids per feature   -> ``JaggedIds`` with lengths [F, N] (feature-major)
+* ``CONTEXT``     [1, D] once per request   -> [K, D] (or repeated per item with ``broadcast``)
+* ``ITEM_COUNTS`` made by the coalescer     -> int64 [K]: n_1..n_K
+* ``STATIC``      no batch dimension        -> the one tensor every request carries
+
+Example::
+
+    schema = InputSchema.from_file(model_dir / "inputs.json")
+    schema.tags            # (InputTag("dense_features", ROWS), InputTag("sparse_features", JAGGED, keys=...))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from pathlib import Path
+from typing import Any, Union
+
+import orjson
+import torch
+
+INPUTS_FILE = "inputs.json"
+
+
+class BatchKind(str, enum.Enum):
+    ROWS = "rows"
+    JAGGED = "jagged"
+    CONTEXT = "context"
+    ITEM_COUNTS = "item_counts"
+    STATIC = "static"
+
+
+@dataclasses.dataclass(frozen=True)
+class InputTag:
+    """How one named model input batches.
+
+    ``keys``: the feature names of a ``JAGGED`` input. ``broadcast``: a ``CONTEXT`` input is repeated
+    to its request's items by the coalescer (else the model gets one row per request).
+    """
+
+    name: str
+    kind: BatchKind
+    keys: tuple[str, ...] = ()
+    broadcast: bool = False
+
+
+class OutOfRangePolicy(str, enum.Enum):
+    """What happens to an id outside ``[0, rows)``: a 400, or ``id mod rows``."""
+
+    REJECT = "reject"
+    HASH = "hash"
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Caps on a single request and on one forward; a request above them is a 400 naming the field."""
+
+    max_items_per_request: int = 1024
+    max_ids_per_bag: int = 256
+    max_items_per_forward: int = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """One sparse feature and the row count of the table it looks up."""
+
+    name: str
+    rows: int
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSchema:
+    """A served model's inputs, as the decoder, the coalescer and the graph runners need them.
+
+    ``dense_features`` / ``context_features``: widths of the per-item and per-request float rows
+    (0: no context); ``features``: the jagged input's features in model order; ``weighted_ids``: each
+    id may carry a float weight; ``min_requests``: the fewest requests one forward takes (a graph
+    with TorchAO's int8 dynamic quantization takes 2; the service pads).
+    """
+
+    model: str
+    tags: tuple[InputTag, ...]
+    dense_features: int
+    features: tuple[Feature, ...]
+    context_features: int = 0
+    weighted_ids: bool = False
+    out_of_range: OutOfRangePolicy = OutOfRangePolicy.REJECT
+    limits: Limits = Limits()
+    min_requests: int = 1
+
+    def __post_init__(self) -> None:
+        kinds = [t.kind for t in self.tags]
+        if kinds.count(BatchKind.ROWS) != 1 or kinds.count(BatchKind.JAGGED) != 1:
+            raise ValueError(
+                "inputs: the request decoder takes exactly one rows input (items' dense features) "
+                f"and one jagged input (their ids), got {[k.value for k in kinds]}"
+            )
+        if (BatchKind.CONTEXT in kinds) != (self.context_features > 0):
+            raise ValueError("inputs: a context input goes with context_features > 0, and only then")
+        if self.jagged.keys != self.feature_names:
+            raise ValueError("inputs: the jagged input's keys must be the features, in order")
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.features)
+
+    @property
+    def feature_rows(self) -> tuple[int, ...]:
+        return tuple(f.rows for f in self.features)
+
+    @property
+    def rows(self) -> InputTag:
+        """The per-item dense input."""
+        return next(t for t in self.tags if t.kind == BatchKind.ROWS)
+
+    @property
+    def jagged(self) -> InputTag:
+        """The per-item ids."""
+        return next(t for t in self.tags if t.kind == BatchKind.JAGGED)
+
+    @property
+    def context(self) -> InputTag | None:
+        return next((t for t in self.tags if t.kind == BatchKind.CONTEXT), None)
+
+    # -- the archive's inputs.json -----------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "InputSchema":
+        return cls(
+            model=raw["model"],
+            tags=tuple(
+                InputTag(t["name"], BatchKind(t["kind"]), tuple(t["keys"]), t["broadcast"])
+                for t in raw["tags"]
+            ),
+            dense_features=raw["dense_features"],
+            features=tuple(Feature(**f) for f in raw["features"]),
+            context_features=raw["context_features"],
+            weighted_ids=raw["weighted_ids"],
+            out_of_range=OutOfRangePolicy(raw["out_of_range"]),
+            limits=Limits(**raw["limits"]),
+            min_requests=raw["min_requests"],
+        )
+
+    def save(self, path: Path) -> None:
+        path.write_bytes(orjson.dumps(self.to_dict(), option=orjson.OPT_INDENT_2))
+
+    @classmethod
+    def from_file(cls, path: Path) -> "InputSchema":
+        return cls.from_dict(orjson.loads(Path(path).read_bytes()))
+
+
+@dataclasses.dataclass(frozen=True)
+class JaggedIds:
+    """Bags of ids: F features x n items, one request's or (coalesced) a whole batch's.
+
+    ``lengths``: int64 [F, n], bag sizes feature-major; ``values``: int64 [lengths.sum()], the ids of
+    feature 0 for items 0..n-1, then feature 1, and so on; ``weights``: float32 like ``values``, for
+    a model with per-id weights, else None. This is the layout TorchRec's KeyedJaggedTensor and
+    FBGEMM's lookups take, so a graph gets these tensors as they are.
+    """
+
+    lengths: torch.Tensor
+    values: torch.Tensor
+    weights: torch.Tensor | None = None
+
+
+RequestTensor = Union[torch.Tensor, JaggedIds]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestInputs:
+    """One request's model inputs, keyed by input name, for ``num_items`` items."""
+
+    num_items: int
+    tensors: dict[str, RequestTensor]

@@ -1,0 +1,134 @@
+"""The items form of a JSON request: one object per item.
+
+    {"items": [{"dense": [13 floats], "sparse": {"cat_0": [ids...], ...}}, ...]}
+
+A feature left out of an item is an empty bag. With ``weighted_ids`` a bag is ``[ids...]``
+(weights 1) or ``{"ids": [...], "weights": [...]}``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import torch
+
+from handlers.runtime.errors import BadRequest
+from handlers.runtime.inputs import InputSchema, JaggedIds
+from handlers.runtime.validation import RequestChecks, bag_position
+from handlers.runtime.wire.json_values import (
+    finite_float32s,
+    float_rows,
+    int_array,
+    json_type,
+    reject_unknown,
+)
+
+ITEM_KEYS = frozenset({"dense", "sparse"})
+_WEIGHTED_BAG_KEYS = frozenset({"ids", "weights"})
+_EMPTY_BAG: list = []  # a feature left out of an item; only ever read
+
+
+class ItemsDecoder:
+    """``items`` (a JSON list) -> (dense [n, D] float32, jagged ids of n items)."""
+
+    def __init__(self, schema: InputSchema, checks: RequestChecks) -> None:
+        self.schema = schema
+        self.checks = checks
+        self._features = schema.feature_names
+        self._feature_set = frozenset(self._features)
+        self._no_bags = (_EMPTY_BAG,) * len(self._features)  # per-feature defaults for dict.get
+
+    def decode(self, items: Any) -> tuple[torch.Tensor, JaggedIds]:
+        if not isinstance(items, list) or not items:
+            raise BadRequest("items", "must be a non-empty list of items")
+        self.checks.item_count("items", len(items))
+        features = self._features
+        dense_rows: list[Any] = []
+        item_bags: list[list[Any]] = []  # [n][F], as sent
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise BadRequest(f"items[{i}]", f"must be an object, got {json_type(item)}")
+            reject_unknown(item, ITEM_KEYS, f"items[{i}].")
+            if "dense" not in item:
+                raise BadRequest(f"items[{i}].dense", "required")
+            dense_rows.append(item["dense"])
+            sparse = item.get("sparse", {})
+            if not isinstance(sparse, dict):
+                raise BadRequest(f"items[{i}].sparse", f"must be an object, got {json_type(sparse)}")
+            unknown = sparse.keys() - self._feature_set
+            if unknown:
+                raise BadRequest(f"items[{i}].sparse.{min(unknown)}", "unknown feature")
+            item_bags.append(list(map(sparse.get, features, self._no_bags)))
+        dense = float_rows(dense_rows, self.schema.dense_features, lambda i: f"items[{i}].dense")
+
+        # Feature-major, as the jagged input is laid out: bag k is (feature k // n, item k % n).
+        n = len(items)
+        bags = list(itertools.chain.from_iterable(zip(*item_bags)))
+        resolved = None
+        if not set(map(type, bags)) <= {list}:  # weighted bags, or a bad one; plain lists are checked in C
+            resolved = [
+                self._bag(bag, f"items[{k % n}].sparse.{features[k // n]}") for k, bag in enumerate(bags)
+            ]
+            bags = [ids for ids, _ in resolved]
+        lengths = np.fromiter(map(len, bags), np.int64, len(bags)).reshape(len(features), n)
+        values = list(itertools.chain.from_iterable(bags))
+
+        def field_of(f: int, i: int, j: int | None) -> str:
+            path = f"items[{i}].sparse.{features[f]}"
+            if j is None:
+                return path
+            weighted_form = isinstance(item_bags[i][f], dict)
+            return f"{path}.ids[{j}]" if weighted_form else f"{path}[{j}]"
+
+        ids = int_array(values, lambda k: field_of(*bag_position(lengths, k)))
+        ids = self.checks.ids(ids, lengths, field_of)
+        weights = self._weights(resolved, lengths, len(values))
+        return torch.from_numpy(dense), JaggedIds(
+            lengths=torch.from_numpy(lengths),
+            values=torch.from_numpy(ids),
+            weights=None if weights is None else torch.from_numpy(weights),
+        )
+
+    def _weights(
+        self, resolved: list[tuple[list, list]] | None, lengths: np.ndarray, count: int
+    ) -> np.ndarray | None:
+        """Per-id weights of a weighted model (1 where a bag is a plain list), else None."""
+        if not self.schema.weighted_ids:
+            return None
+        if resolved is None:
+            return np.ones(count, dtype=np.float32)
+
+        def weight_field(k: int) -> str:
+            f, i, j = bag_position(lengths, k)
+            return f"items[{i}].sparse.{self._features[f]}.weights[{j}]"
+
+        flat = list(itertools.chain.from_iterable(w for _, w in resolved))
+        return finite_float32s(flat, weight_field)
+
+    def _bag(self, bag: Any, field: str) -> tuple[list[Any], list[Any]]:
+        """One bag -> (ids, weights); a plain list of ids has weights of 1."""
+        if isinstance(bag, list):
+            return bag, [1.0] * len(bag)
+        if isinstance(bag, dict) and self.schema.weighted_ids:
+            reject_unknown(bag, _WEIGHTED_BAG_KEYS, f"{field}.")
+            ids, weights = _list(bag, "ids", field), _list(bag, "weights", field)
+            if len(weights) != len(ids):
+                raise BadRequest(
+                    f"{field}.weights", f"must hold one weight per id ({len(ids)}), got {len(weights)}"
+                )
+            return ids, weights
+        expected = (
+            'a list of ids or {"ids": [...], "weights": [...]}'
+            if self.schema.weighted_ids
+            else "a list of ids"
+        )
+        raise BadRequest(field, f"must be {expected}, got {json_type(bag)}")
+
+
+def _list(bag: dict, key: str, field: str) -> list:
+    value = bag.get(key)
+    if not isinstance(value, list):
+        raise BadRequest(f"{field}.{key}", f"required list, got {json_type(value)}")
+    return value

@@ -1,0 +1,118 @@
+"""The commands: inconsistent split options refused before building anything, an unzipped
+archive replaced whole, failures as one line with a code per kind."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from archive_tools.cli import main
+from handlers.modeling.registry import load_spec
+from handlers.modeling.spec import Pooling, ShardingSpec, ShardingType, WeightDtype
+from handlers.runtime.artifacts import Artifact
+from handlers.runtime.options import HandlerOptions
+from handlers.runtime.split import SplitPlan
+from tests.helpers import with_tables
+from tests.conftest import TINY_SPEC
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--sparse", "eager"], "--sparse: only with --artifact split"),
+        (["--dense", "aoti", "--dense-device", "cpu"], "--dense/--dense-device: only with --artifact split"),
+        (["--artifact", "split", "--dense-device", "cuda"], "dense_device: cuda needs dense: exported"),
+    ],
+)
+def test_split_options_are_checked_on_the_command_line(extra, message, capsys, tmp_path):
+    assert build(["--spec", str(TINY_SPEC), "--model-store", str(tmp_path), *extra]) == 2
+    err = capsys.readouterr().err
+    assert f"torchrec-serve build: error: {message}" in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir()), "nothing is written"
+
+
+def test_an_artifact_argparse_does_not_know_is_a_usage_error(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        build(["--spec", str(TINY_SPEC), "--artifact", "split", "--dense", "eager"])
+    assert exit_.value.code == 2
+    assert "invalid choice: 'eager'" in capsys.readouterr().err
+
+
+def test_a_shipped_spec_is_named_by_its_name(tmp_path):
+    assert build(["--spec", "tiny", "--model-store", str(tmp_path)]) == 0
+    assert (tmp_path / "tiny.mar").is_file()
+
+
+def build(arguments: list[str]) -> int:
+    return main(["build", *arguments])
+
+
+def test_an_unzipped_archive_is_replaced_whole(tmp_path):
+    """Rebuilt as another artifact, the folder keeps no file of the earlier build."""
+    common = ["--spec", str(TINY_SPEC), "--model-store", str(tmp_path), "--archive-format", "no-archive"]
+    assert build(common) == 0
+    assert (tmp_path / "tiny" / "weights.pt").exists()
+    assert build([*common, "--artifact", "exported"]) == 0
+    files = {p.name for p in (tmp_path / "tiny").iterdir()}
+    assert "model.pt2" in files and "weights.pt" not in files
+
+
+def test_a_folder_that_is_not_an_archive_is_not_replaced(tmp_path, capsys):
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "notes.txt").write_text("mine")
+    common = ["--spec", str(TINY_SPEC), "--model-store", str(tmp_path), "--archive-format", "no-archive"]
+    assert build(common) == 7
+    assert "is not an archive folder; not replacing it" in capsys.readouterr().err
+    assert (tmp_path / "tiny" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only path of a GPU-bound build")
+def test_a_dense_part_for_a_gpu_is_built_and_verified_on_a_cpu_machine(tmp_path):
+    assert build([
+        "--spec", str(TINY_SPEC), "--model-store", str(tmp_path), "--archive-format", "no-archive",
+        "--artifact", "split", "--dense", "exported", "--dense-device", "cuda",
+    ]) == 0
+    config = yaml.safe_load((tmp_path / "tiny" / "model-config.yaml").read_text())
+    assert config["handler"] == HandlerOptions(
+        Artifact.SPLIT, SplitPlan(Artifact.EXPORTED, Artifact.EXPORTED, "cuda")
+    ).to_mapping()
+    assert json.loads((tmp_path / "tiny.verification.json").read_text())["passed"]
+
+
+def test_row_wise_sharded_tables_are_refused_for_a_graph_before_building(tmp_path, capsys):
+    spec = with_tables(load_spec(TINY_SPEC), weight_dtype=WeightDtype.INT8)
+    spec = spec.replace(
+        tables=[
+            t.model_copy(update={"sharding": ShardingType.ROW_WISE, "pooling": Pooling.SUM})
+            if t.name == "t_user" else t
+            for t in spec.tables
+        ],
+        sharding=ShardingSpec(device="cpu", world_size=2),
+    )
+    spec.to_yaml(tmp_path / "sharded.yaml")
+    common = ["--spec", str(tmp_path / "sharded.yaml"), "--model-store", str(tmp_path / "store")]
+    assert build([*common, "--artifact", "exported"]) == 2
+    assert "tables ['t_user']: row-wise sharded tables cannot be captured" in capsys.readouterr().err
+    assert not (tmp_path / "store").exists()
+    assert build(common) == 0  # served eager, the same spec builds
+
+
+def test_a_bad_spec_is_one_line_and_exit_code_3(tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_text("name: bad\ndense_features: 0\nbottom_mlp: [8]\ntop_mlp: [1]\n")
+    assert build(["--spec", str(tmp_path / "bad.yaml"), "--model-store", str(tmp_path)]) == 3
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("torchrec-serve build: error: dense_features: must be greater than 0")
+    with pytest.raises(Exception, match="dense_features"):  # --debug: the traceback, not a line
+        main(["build", "--debug", "--spec", str(tmp_path / "bad.yaml")])
+
+
+def test_verify_checks_an_archive_against_the_weights_it_came_from(tmp_path, capsys):
+    assert build(["--spec", "tiny", "--seed", "3", "--model-store", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "tiny.mar"), "--seed", "3"]) == 0
+    assert "passed" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "tiny.mar"), "--seed", "4"]) == 1  # other weights
+    out, err = capsys.readouterr()
+    assert "FAILED: AUC drop" in out  # untrained weights score near 0.5, but rank differently
+    assert err.strip().startswith("torchrec-serve verify: error:") and "Traceback" not in err
