@@ -23,7 +23,7 @@ from handlers.modeling.weights import InferenceWeights
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.batching import coalesce
 from handlers.runtime.split import EMBEDDINGS_INPUT, SplitPlan, dense_tags, sparse_tags
-from handlers.runtime.wire.json_request import RequestDecoder
+from handlers.runtime.wire.decoder import RequestDecoder
 
 
 def check_capturable(spec: ModelSpec) -> None:

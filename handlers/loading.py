@@ -22,13 +22,17 @@ SPEC_FILE = "spec.yaml"
 
 
 def load_service(
-    model_dir: str | Path, options: HandlerOptions, gpu_id: int | None = None
+    model_dir: str | Path,
+    options: HandlerOptions,
+    gpu_id: int | None = None,
+    model_name: str | None = None,
 ) -> ScoringService:
     """The archive folder's model behind a scoring service; ``gpu_id``: the GPU TorchServe gave
-    this worker (used by models and dense parts that run on ``cuda``)."""
+    this worker (used by models and dense parts that run on ``cuda``); ``model_name``: the name it
+    was registered under (default: the spec's)."""
     model_dir = Path(model_dir)
     schema = InputSchema.from_file(model_dir / INPUTS_FILE)
-    return ScoringService(schema, load_runner(model_dir, schema, options, gpu_id))
+    return ScoringService(schema, load_runner(model_dir, schema, options, gpu_id), model_name)
 
 
 def load_runner(

@@ -6,9 +6,7 @@ artifact that the ``handler`` section of ``model-config.yaml`` names, parsed int
 ``HandlerOptions``), not BaseHandler's. This module defines exactly one class, as TorchServe's
 class entry point requires.
 
-Metrics (Prometheus counters on the metrics API, with ``model_metrics_auto_detect=true``):
-``HandlerBatches{Requests="k"}`` counts the TorchServe batches of k requests the worker received,
-``HandlerForwards`` the model forwards and ``HandlerForwardItems`` the items they scored.
+Metrics: ``handlers.torchserve_metrics`` (per-stage times, batches, forwards, rejected requests).
 
 ``GET /models/NAME?customized=true`` (management API) answers with what each worker runs: its pid,
 artifact, device, load time, and whether TorchRec or TorchAO were imported.
@@ -25,8 +23,8 @@ from typing import Any
 
 import orjson
 import torch
-from ts.metrics.dimension import Dimension
 
+from handlers import torchserve_metrics
 from handlers.loading import load_service
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.service import ScoringService
@@ -45,7 +43,7 @@ class DLRMHandler:
         gpu_id = context.system_properties.get("gpu_id")
         options = HandlerOptions.from_mapping((context.model_yaml_config or {}).get("handler"))
         torch.set_num_threads(options.intra_op_threads)
-        self.service = load_service(model_dir, options, gpu_id)
+        self.service = load_service(model_dir, options, gpu_id, model_name=context.model_name)
         load_s = time.perf_counter() - started
         self.description = {
             "pid": os.getpid(),
@@ -71,15 +69,8 @@ class DLRMHandler:
             return [orjson.dumps(self.description)]
         payloads = [row.get("body", row.get("data")) for row in data]
         handled = self.service.handle(payloads)
-        self._count(context, "HandlerBatches", 1, Dimension("Requests", str(len(data))))
-        self._count(context, "HandlerForwards", len(handled.forward_items))
-        self._count(context, "HandlerForwardItems", sum(handled.forward_items))
+        torchserve_metrics.publish(context, len(data), handled.stats)
         for index, response in enumerate(handled.responses):
             context.set_response_status(response.status, "", idx=index)
-            context.set_response_content_type(index, "application/json")
+            context.set_response_content_type(index, response.content_type)
         return [r.body for r in handled.responses]
-
-    @staticmethod
-    def _count(context: Any, name: str, value: int, *extra: Dimension) -> None:
-        dimensions = [Dimension("ModelName", context.model_name), Dimension("Level", "Model"), *extra]
-        context.metrics.add_counter(name, value, None, dimensions)

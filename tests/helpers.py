@@ -11,7 +11,7 @@ from handlers.modeling.eager import EagerModel
 from handlers.modeling.registry import input_schema, synthetic_request
 from handlers.modeling.spec import ModelSpec, ShardingSpec, ShardingType
 from handlers.runtime.batching import Batch, coalesce
-from handlers.runtime.wire.json_request import RequestDecoder
+from handlers.runtime.wire.decoder import RequestDecoder
 
 items_request = synthetic_request  # (spec, num_items, seed, max_bag=3, return_logits=False)
 

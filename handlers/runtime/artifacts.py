@@ -21,9 +21,10 @@ from typing import Callable, Sequence
 import torch
 from torch.export.passes import move_to_device_pass
 
-import fbgemm_gpu  # noqa: F401  registers the TBE operators the graphs call
+from handlers.runtime import fbgemm_ops  # noqa: F401  the TBE operators the graphs call
 from handlers.runtime.batching import Batch, plain_arguments
 from handlers.runtime.inputs import InputTag
+from handlers.runtime.quiet import quieter
 
 # A loaded model, whatever its artifact: the coalesced batch -> logits [N, 1].
 Runner = Callable[[Batch], torch.Tensor]
@@ -75,7 +76,10 @@ class GraphModel:
             self.weights = torch.load(aoti_weights_file(Path(path)), mmap=True, weights_only=True)
             self.run.load_constants(self.weights, check_full_update=True, user_managed=True)
         elif artifact == Artifact.EXPORTED:
-            program = torch.export.load(str(path))
+            # Unbacked sizes of the jagged inputs (u0, u1, ...) that the saved graph no longer
+            # names are logged as warnings when it is read back; they are not used.
+            with quieter("torch._export.serde.serialize"):
+                program = torch.export.load(str(path))
             if device.type != "cpu":  # captured on cpu: its weights and device arguments move
                 program = move_to_device_pass(program, device)
             self.run = program.module()

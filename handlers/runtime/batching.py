@@ -16,7 +16,7 @@ from typing import Iterator, Sequence, Union
 
 import torch
 
-import fbgemm_gpu  # noqa: F401  registers torch.ops.fbgemm.permute_1D_sparse_data
+from handlers.runtime import fbgemm_ops  # noqa: F401  torch.ops.fbgemm.permute_1D_sparse_data
 from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds, RequestInputs, RequestTensor
 
 BatchInput = Union[torch.Tensor, JaggedIds]

@@ -25,12 +25,18 @@ class ServingError(Exception):
 
 
 class BadRequest(ServingError):
-    """Malformed or out-of-contract input: 400, with the field that is wrong."""
+    """Malformed or out-of-contract input: 400, with the field that is wrong and a ``reason`` from
+    ``REASONS`` (the rejected-requests metric counts by it)."""
 
     status = 400
+    REASONS = (
+        "malformed_body", "unknown_field", "missing_field", "bad_value", "too_large",
+        "id_out_of_range",
+    )
 
-    def __init__(self, field: str, problem: str) -> None:
+    def __init__(self, field: str, problem: str, reason: str = "bad_value") -> None:
         super().__init__(f"{field}: {problem}", field)
+        self.reason = reason
 
 
 class InternalError(ServingError):

@@ -1,40 +1,66 @@
 """The scoring service: a TorchServe batch of K request bodies -> K responses.
 
-``handle`` is decode -> coalesce -> run -> split -> encode; each stage is a function of its own module.
-It knows nothing about TorchServe (``handlers.torchserve_handler`` adapts it), so tests drive it
-in-process with the same bodies the server receives.
+``handle`` is decode -> coalesce -> run -> split -> encode; each stage is a function of its own
+module. It knows nothing about TorchServe (``handlers.torchserve_handler`` adapts it), so tests
+drive it in-process with the same bodies the server receives. It reports what each batch cost
+and held (``BatchStats``), which the handler publishes as metrics.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import logging
-from typing import Any, Sequence
+import time
+from typing import Any, Iterator, Sequence
 
-import orjson
 import torch
 
 from handlers.runtime.artifacts import Runner
 from handlers.runtime.batching import chunk_by_items, coalesce, padding_request, split_outputs
-from handlers.runtime.errors import InternalError, ServingError
+from handlers.runtime.errors import BadRequest, InternalError
 from handlers.runtime.inputs import InputSchema, RequestInputs
-from handlers.runtime.wire.json_request import DecodedRequest, RequestDecoder
+from handlers.runtime.wire.decoder import RequestDecoder
+from handlers.runtime.wire.messages import DecodedRequest, Rejected, Response
 
 logger = logging.getLogger(__name__)
 
+STAGES = ("decode", "coalesce", "forward", "encode")
+
 
 @dataclasses.dataclass(frozen=True)
-class Response:
-    status: int
-    body: bytes
+class BatchStats:
+    """One batch: milliseconds spent in each of ``STAGES``, the items of each forward, the
+    requests refused by ``BadRequest`` reason, and the ids the out-of-range policy hashed."""
+
+    stage_ms: dict[str, float]
+    forward_items: list[int]
+    rejected: dict[str, int]
+    hashed_ids: int
 
 
 @dataclasses.dataclass(frozen=True)
 class HandledBatch:
-    """One response per request, in order, and the items of each forward that answered them."""
+    """One response per request, in order, and what the batch cost."""
 
     responses: list[Response]
-    forward_items: list[int]
+    stats: BatchStats
+
+
+class _Stopwatch:
+    """Milliseconds per stage, summed over one batch."""
+
+    def __init__(self) -> None:
+        self.ms = dict.fromkeys(STAGES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.ms[stage] += (time.perf_counter() - started) * 1000
 
 
 class ScoringService:
@@ -42,57 +68,64 @@ class ScoringService:
 
     A batch smaller than ``schema.min_requests`` (a graph captured with TorchAO's int8 dynamic
     quantization takes 2) is padded with empty requests, whose outputs are dropped.
+    ``model_name``: the name answers carry where the protocol names the model.
     """
 
-    def __init__(self, schema: InputSchema, model: Runner) -> None:
+    def __init__(self, schema: InputSchema, model: Runner, model_name: str | None = None) -> None:
         self.schema = schema
         self.model = model
-        self.decoder = RequestDecoder(schema)
+        self.decoder = RequestDecoder(schema, model_name)
         self.tags = schema.tags
 
     def handle(self, payloads: Sequence[Any]) -> HandledBatch:
+        watch = _Stopwatch()
         responses: list[Response | None] = [None] * len(payloads)
         decoded: list[tuple[int, DecodedRequest]] = []
-        for index, payload in enumerate(payloads):
-            try:
-                decoded.append((index, self.decoder.decode(payload)))
-            except ServingError as e:
-                responses[index] = _error_response(e)
+        rejected: collections.Counter[str] = collections.Counter()
+        with watch("decode"):
+            for index, payload in enumerate(payloads):
+                try:
+                    decoded.append((index, self.decoder.decode(payload)))
+                except Rejected as refusal:
+                    responses[index] = refusal.response()
+                    error = refusal.error
+                    rejected[error.reason if isinstance(error, BadRequest) else type(error).__name__] += 1
         requests = [d.inputs for _, d in decoded]
         forward_items = []
         for chunk in chunk_by_items(requests, self.schema.limits.max_items_per_forward):
             forward_items.append(sum(requests[i].num_items for i in chunk))
             try:
-                logits = self.logits([requests[i] for i in chunk])
+                logits = self.logits([requests[i] for i in chunk], watch)
             except Exception:  # the model failed on validated input: a bug, not the client's
                 logger.exception("forward failed for a chunk of %d requests", len(chunk))
                 for i in chunk:
-                    responses[decoded[i][0]] = _error_response(InternalError("model forward failed"))
+                    index, request = decoded[i]
+                    responses[index] = request.encoder.error(InternalError("model forward failed"))
                 continue
-            for i, request_logits in zip(chunk, logits):
-                index, request = decoded[i]
-                responses[index] = _scores_response(request_logits, request.return_logits)
-        return HandledBatch(responses, forward_items)  # type: ignore[arg-type]  # all answered
+            with watch("encode"):
+                for i, request_logits in zip(chunk, logits):
+                    index, request = decoded[i]
+                    responses[index] = request.encoder.scores(request_logits)
+        stats = BatchStats(
+            stage_ms=watch.ms,
+            forward_items=forward_items,
+            rejected=dict(rejected),
+            hashed_ids=sum(d.hashed_ids for _, d in decoded),
+        )
+        return HandledBatch(responses, stats)  # type: ignore[arg-type]  # every index answered
 
-    def logits(self, requests: Sequence[RequestInputs]) -> list[torch.Tensor]:
+    def logits(
+        self, requests: Sequence[RequestInputs], watch: _Stopwatch | None = None
+    ) -> list[torch.Tensor]:
         """One forward over all items of ``requests``; logits [n_k] per request."""
-        padded = list(requests)
-        missing = self.schema.min_requests - len(padded)
-        if missing > 0:
-            padded += [padding_request(requests[0], self.tags)] * missing
-        batch = coalesce(padded, self.tags)
-        with torch.inference_mode():
+        watch = watch or _Stopwatch()
+        with watch("coalesce"):
+            padded = list(requests)
+            missing = self.schema.min_requests - len(padded)
+            if missing > 0:
+                padded += [padding_request(requests[0], self.tags)] * missing
+            batch = coalesce(padded, self.tags)
+        with watch("forward"), torch.inference_mode():
             output = self.model(batch).reshape(-1).cpu()
         counts = [r.num_items for r in requests]
         return split_outputs(output[: sum(counts)], counts)
-
-
-def _scores_response(logits: torch.Tensor, return_logits: bool) -> Response:
-    body: dict[str, list[float]] = {"scores": torch.sigmoid(logits).tolist()}
-    if return_logits:
-        body["logits"] = logits.tolist()
-    return Response(200, orjson.dumps(body))
-
-
-def _error_response(error: ServingError) -> Response:
-    return Response(error.status, orjson.dumps(error.to_body()))

@@ -27,32 +27,36 @@ class RequestChecks:
     def item_count(self, field: str, count: int) -> None:
         cap = self.schema.limits.max_items_per_request
         if count > cap:
-            raise BadRequest(field, f"{count} items exceed the limit of {cap} per request")
+            raise BadRequest(field, f"{count} items exceed the limit of {cap} per request", "too_large")
 
-    def ids(self, ids: np.ndarray, lengths: np.ndarray, field_of: FieldOf) -> np.ndarray:
+    def ids(self, ids: np.ndarray, lengths: np.ndarray, field_of: FieldOf) -> tuple[np.ndarray, int]:
         """Checks ids (int64, feature-major) against bag caps and table rows; returns them with the
-        out-of-range policy applied. ``lengths``: [F, n] bag sizes."""
+        out-of-range policy applied, and how many it hashed. ``lengths``: [F, n] bag sizes."""
         cap = self.schema.limits.max_ids_per_bag
         if lengths.size and lengths.max() > cap:
             f, i = np.unravel_index(int(np.argmax(lengths)), lengths.shape)
             raise BadRequest(
                 field_of(int(f), int(i), None),
                 f"{int(lengths[f, i])} ids exceed the limit of {cap} per bag",
+                "too_large",
             )
         if (ids < 0).any():
             k = int(np.argmax(ids < 0))
-            raise BadRequest(field_of(*bag_position(lengths, k)), f"ids must be >= 0, got {ids[k]}")
+            raise BadRequest(
+                field_of(*bag_position(lengths, k)), f"ids must be >= 0, got {ids[k]}", "id_out_of_range"
+            )
         rows = np.repeat(self._feature_rows, lengths.sum(axis=1))
         beyond = ids >= rows
         if beyond.any():
             if self.schema.out_of_range == OutOfRangePolicy.HASH:
-                return np.where(beyond, ids % rows, ids)
+                return np.where(beyond, ids % rows, ids), int(beyond.sum())
             k = int(np.argmax(beyond))
             raise BadRequest(
                 field_of(*bag_position(lengths, k)),
                 f"id {ids[k]} is outside the table's {int(rows[k])} rows",
+                "id_out_of_range",
             )
-        return ids
+        return ids, 0
 
 
 def bag_position(lengths: np.ndarray, k: int) -> tuple[int, int, int]:

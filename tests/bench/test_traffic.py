@@ -5,7 +5,7 @@ import orjson
 
 from benchmarks.traffic import Traffic, TrafficModel
 from handlers.modeling.registry import input_schema
-from handlers.runtime.wire.json_request import RequestDecoder
+from handlers.runtime.wire.decoder import RequestDecoder
 
 
 def test_generated_requests_decode_and_repeat_the_user_context(tiny_spec):

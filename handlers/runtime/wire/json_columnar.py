@@ -1,10 +1,12 @@
-"""The columnar form of a JSON request: TorchRec's batch layout, as TorchServe's DLRM example
-clients send it.
+"""The columnar form of a JSON request: TorchRec's batch layout, as clients of TorchServe's DLRM
+example send it.
 
-    {"float_features": [[13 floats], ...],
+    {"float_features": [[13 floats], ...],      # or flat: [13 * n floats], item after item
      "id_list_features.lengths": [F*n ints, feature-major],
      "id_list_features.values": [ids...],
      "id_list_features.weights": [floats, one per value]}     # weighted models only, optional
+
+TorchServe's example sends one item with flat ``float_features`` (13 floats) and 26 lengths.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import numpy as np
 import torch
 
 from handlers.runtime.errors import BadRequest
-from handlers.runtime.inputs import InputSchema, JaggedIds
+from handlers.runtime.inputs import InputSchema
 from handlers.runtime.validation import RequestChecks, bag_position
+from handlers.runtime.wire.messages import DecodedRows
 from handlers.runtime.wire.json_values import finite_float32s, float_rows, int_array, json_type
 
 DENSE_KEY = "float_features"
@@ -26,7 +29,7 @@ WEIGHTS_KEY = "id_list_features.weights"
 
 
 class ColumnarDecoder:
-    """The columnar body -> (dense [n, D] float32, jagged ids of n items)."""
+    """The columnar body -> the rows of its n items."""
 
     def __init__(self, schema: InputSchema, checks: RequestChecks) -> None:
         self.schema = schema
@@ -35,13 +38,9 @@ class ColumnarDecoder:
             {DENSE_KEY, LENGTHS_KEY, VALUES_KEY} | ({WEIGHTS_KEY} if schema.weighted_ids else set())
         )
 
-    def decode(self, body: dict) -> tuple[torch.Tensor, JaggedIds]:
-        rows = body[DENSE_KEY]
-        if not isinstance(rows, list) or not rows:
-            raise BadRequest(DENSE_KEY, "must be a non-empty list of rows")
-        self.checks.item_count(DENSE_KEY, len(rows))
-        dense = float_rows(rows, self.schema.dense_features, lambda i: f"{DENSE_KEY}[{i}]")
-        num_items, num_features = len(rows), len(self.schema.features)
+    def decode(self, body: dict) -> DecodedRows:
+        dense = self._dense(body[DENSE_KEY])
+        num_items, num_features = dense.shape[0], len(self.schema.features)
         raw_lengths, raw_values = _list(body, LENGTHS_KEY), _list(body, VALUES_KEY)
         if len(raw_lengths) != num_features * num_items:
             raise BadRequest(
@@ -65,13 +64,25 @@ class ColumnarDecoder:
             return f"{VALUES_KEY} ({spot})"
 
         ids = int_array(raw_values, lambda k: field_of(*bag_position(lengths, k)))
-        ids = self.checks.ids(ids, lengths, field_of)
+        ids, hashed = self.checks.ids(ids, lengths, field_of)
         weights = self._weights(body, len(raw_values))
-        return torch.from_numpy(dense), JaggedIds(
-            lengths=torch.from_numpy(lengths),
-            values=torch.from_numpy(ids),
-            weights=None if weights is None else torch.from_numpy(weights),
-        )
+        return DecodedRows.from_arrays(dense, lengths, ids, weights, hashed)
+
+    def _dense(self, rows: Any) -> np.ndarray:
+        """Rows ``[[D floats], ...]``, or one flat list of ``D * n`` floats -> float32 [n, D]."""
+        width = self.schema.dense_features
+        if not isinstance(rows, list) or not rows:
+            raise BadRequest(DENSE_KEY, f"must be a non-empty list of rows, or of {width} * n numbers")
+        if not isinstance(rows[0], list):  # flat
+            if len(rows) % width:
+                raise BadRequest(
+                    DENSE_KEY, f"a flat list must hold {width} numbers per item, got {len(rows)}"
+                )
+            self.checks.item_count(DENSE_KEY, len(rows) // width)
+            flat = finite_float32s(rows, lambda k: f"{DENSE_KEY}[{k}]")
+            return flat.reshape(-1, width)
+        self.checks.item_count(DENSE_KEY, len(rows))
+        return float_rows(rows, width, lambda i: f"{DENSE_KEY}[{i}]")
 
     def _weights(self, body: dict, count: int) -> np.ndarray | None:
         if not self.schema.weighted_ids:
@@ -85,5 +96,5 @@ class ColumnarDecoder:
 def _list(body: dict, key: str) -> list:
     value = body.get(key)
     if not isinstance(value, list):
-        raise BadRequest(key, f"required list, got {json_type(value)}")
+        raise BadRequest(key, f"required list, got {json_type(value)}", "missing_field")
     return value

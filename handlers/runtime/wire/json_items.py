@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from handlers.runtime.errors import BadRequest
-from handlers.runtime.inputs import InputSchema, JaggedIds
+from handlers.runtime.inputs import InputSchema
 from handlers.runtime.validation import RequestChecks, bag_position
+from handlers.runtime.wire.messages import DecodedRows
 from handlers.runtime.wire.json_values import (
     finite_float32s,
     float_rows,
@@ -26,12 +27,13 @@ from handlers.runtime.wire.json_values import (
 )
 
 ITEM_KEYS = frozenset({"dense", "sparse"})
+
 _WEIGHTED_BAG_KEYS = frozenset({"ids", "weights"})
 _EMPTY_BAG: list = []  # a feature left out of an item; only ever read
 
 
 class ItemsDecoder:
-    """``items`` (a JSON list) -> (dense [n, D] float32, jagged ids of n items)."""
+    """``items`` (a JSON list) -> the rows of its n items."""
 
     def __init__(self, schema: InputSchema, checks: RequestChecks) -> None:
         self.schema = schema
@@ -40,7 +42,7 @@ class ItemsDecoder:
         self._feature_set = frozenset(self._features)
         self._no_bags = (_EMPTY_BAG,) * len(self._features)  # per-feature defaults for dict.get
 
-    def decode(self, items: Any) -> tuple[torch.Tensor, JaggedIds]:
+    def decode(self, items: Any) -> DecodedRows:
         if not isinstance(items, list) or not items:
             raise BadRequest("items", "must be a non-empty list of items")
         self.checks.item_count("items", len(items))
@@ -52,7 +54,7 @@ class ItemsDecoder:
                 raise BadRequest(f"items[{i}]", f"must be an object, got {json_type(item)}")
             reject_unknown(item, ITEM_KEYS, f"items[{i}].")
             if "dense" not in item:
-                raise BadRequest(f"items[{i}].dense", "required")
+                raise BadRequest(f"items[{i}].dense", "required", "missing_field")
             dense_rows.append(item["dense"])
             sparse = item.get("sparse", {})
             if not isinstance(sparse, dict):
@@ -83,13 +85,9 @@ class ItemsDecoder:
             return f"{path}.ids[{j}]" if weighted_form else f"{path}[{j}]"
 
         ids = int_array(values, lambda k: field_of(*bag_position(lengths, k)))
-        ids = self.checks.ids(ids, lengths, field_of)
+        ids, hashed = self.checks.ids(ids, lengths, field_of)
         weights = self._weights(resolved, lengths, len(values))
-        return torch.from_numpy(dense), JaggedIds(
-            lengths=torch.from_numpy(lengths),
-            values=torch.from_numpy(ids),
-            weights=None if weights is None else torch.from_numpy(weights),
-        )
+        return DecodedRows.from_arrays(dense, lengths, ids, weights, hashed)
 
     def _weights(
         self, resolved: list[tuple[list, list]] | None, lengths: np.ndarray, count: int
@@ -130,5 +128,5 @@ class ItemsDecoder:
 def _list(bag: dict, key: str, field: str) -> list:
     value = bag.get(key)
     if not isinstance(value, list):
-        raise BadRequest(f"{field}.{key}", f"required list, got {json_type(value)}")
+        raise BadRequest(f"{field}.{key}", f"required list, got {json_type(value)}", "missing_field")
     return value

@@ -26,9 +26,9 @@ def parse_json(payload: Any) -> Any:
         try:
             return orjson.loads(payload)
         except orjson.JSONDecodeError as e:
-            raise BadRequest("body", f"malformed JSON: {e}") from None
+            raise BadRequest("body", f"malformed JSON: {e}", "malformed_body") from None
     if payload is None:
-        raise BadRequest("body", "empty request body")
+        raise BadRequest("body", "empty request body", "malformed_body")
     return payload
 
 
@@ -75,7 +75,7 @@ def int_array(values: list[Any], locate: Locate) -> np.ndarray:
 def reject_unknown(obj: dict, allowed: set[str] | frozenset[str], prefix: str) -> None:
     unknown = obj.keys() - allowed
     if unknown:
-        raise BadRequest(f"{prefix}{sorted(unknown)[0]}", "unknown field")
+        raise BadRequest(f"{prefix}{sorted(unknown)[0]}", "unknown field", "unknown_field")
 
 
 def json_type(value: Any) -> str:

@@ -74,7 +74,7 @@ def test_service_chunks_forwards_at_max_items(tiny_spec, tiny_weights):
     requests = [items_request(spec, n, seed=n) for n in (200, 100, 50, 256)]
     handled = service.handle(requests)
     assert batch_sizes == [200, 150, 256]
-    assert handled.forward_items == [200, 150, 256]
+    assert handled.stats.forward_items == [200, 150, 256]
     assert all(r.status == 200 for r in handled.responses)
 
 
@@ -165,3 +165,26 @@ def test_padding_request_is_one_empty_item_that_changes_no_score(served_models):
         padded = forward(model, spec, coalesce([request, pad], service.tags))
         assert padded.shape[0] == 6
         torch.testing.assert_close(padded[:5], alone, atol=1e-6, rtol=0)
+
+
+def test_batch_stats_count_what_the_metrics_publish(tiny_spec, tiny_weights):
+    """Per batch: time in each stage, refusals by reason, ids hashed by the ``hash`` policy."""
+    from handlers.runtime.inputs import OutOfRangePolicy
+
+    spec = tiny_spec.replace(out_of_range=OutOfRangePolicy.HASH)
+    service = eager_service(spec, DLRMFactory(spec).inference_model(tiny_weights))
+    hashed = {"items": [{"dense": [0] * 4, "sparse": {"hour": [24, 49, 3], "user_id": [1000]}}]}
+    handled = service.handle([
+        items_request(spec, 3, seed=1),
+        b"{not json",
+        {"items": [{"dense": [0] * 4, "colour": 1}]},
+        {"items": [{"dense": [0] * 4, "sparse": {"hour": [-1]}}]},
+        hashed,
+    ])
+    assert [r.status for r in handled.responses] == [200, 400, 400, 400, 200]
+    stats = handled.stats
+    assert stats.rejected == {"malformed_body": 1, "unknown_field": 1, "id_out_of_range": 1}
+    assert stats.hashed_ids == 3  # 24 and 49 of 24 hours, 1000 of 1000 users
+    assert stats.forward_items == [4]
+    assert set(stats.stage_ms) == {"decode", "coalesce", "forward", "encode"}
+    assert all(ms > 0 for ms in stats.stage_ms.values()), stats.stage_ms

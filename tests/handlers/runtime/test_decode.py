@@ -1,8 +1,9 @@
-"""The JSON wire format: both request forms decode to the same tensors, and every bad request is a
-400 naming the field."""
+"""The wire formats: the items form, TorchRec's columnar form (as TorchServe's DLRM example sends
+it) and KServe v2 decode to the same tensors, and every bad request is a 400 naming the field."""
 
 import json
 
+import orjson
 import pytest
 import torch
 
@@ -10,13 +11,22 @@ from handlers.modeling.architecture import CONTEXT_INPUT, DENSE_INPUT, SPARSE_IN
 from handlers.modeling.registry import input_schema
 from handlers.runtime.errors import BadRequest
 from handlers.runtime.inputs import OutOfRangePolicy
-from handlers.runtime.wire.json_request import RequestDecoder
+from handlers.runtime.wire.decoder import RequestDecoder
+from handlers.runtime.wire.messages import JsonEncoder, Rejected
 
 GOOD_ITEM = {"dense": [0.1, 0.2, 0.3, 0.4], "sparse": {"user_id": [1, 2], "item_id": [3]}}
 
 
 def _decode(spec, body):
-    return RequestDecoder(input_schema(spec)).decode(body if isinstance(body, bytes) else json.dumps(body).encode())
+    """Decodes ``body`` (sent as JSON bytes); a refusal raises its ``BadRequest``."""
+    return _decode_payload(spec, body if isinstance(body, bytes) else json.dumps(body).encode())
+
+
+def _decode_payload(spec, payload):
+    try:
+        return RequestDecoder(input_schema(spec)).decode(payload)
+    except Rejected as refusal:
+        raise refusal.error from None
 
 
 def _with_item(**fields):
@@ -36,7 +46,7 @@ def test_items_form_is_laid_out_feature_major(tiny_spec):
     assert jagged.lengths.tolist() == [[2, 1], [0, 0], [0, 0], [1, 0], [0, 1]]
     assert jagged.values.tolist() == [5, 6, 9, 7, 23]
     assert request.inputs.tensors[DENSE_INPUT].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
-    assert request.inputs.num_items == 2 and not request.return_logits
+    assert request.inputs.num_items == 2 and request.encoder == JsonEncoder()
 
 
 def test_columnar_form_equals_items_form(tiny_spec):
@@ -53,7 +63,7 @@ def test_columnar_form_equals_items_form(tiny_spec):
     assert torch.equal(items.inputs.tensors[DENSE_INPUT], columnar.inputs.tensors[DENSE_INPUT])
     assert torch.equal(items.inputs.tensors[SPARSE_INPUT].values, columnar.inputs.tensors[SPARSE_INPUT].values)
     assert torch.equal(items.inputs.tensors[SPARSE_INPUT].lengths, columnar.inputs.tensors[SPARSE_INPUT].lengths)
-    assert columnar.return_logits
+    assert columnar.encoder == JsonEncoder(return_logits=True, default=True)
 
 
 def test_hash_policy_wraps_ids_modulo_rows(tiny_spec):
@@ -118,7 +128,7 @@ def test_bad_request_names_the_field(tiny_spec, body, field, problem):
 def test_already_decoded_payload_with_nan_is_rejected(tiny_spec):
     """TorchServe's own JSON decoding (decode_input_request=true) lets NaN through; we do not."""
     with pytest.raises(BadRequest, match="must be finite"):
-        RequestDecoder(input_schema(tiny_spec)).decode({"items": [{"dense": [1.0, float("nan"), 0.0, 0.0]}]})
+        _decode_payload(tiny_spec, {"items": [{"dense": [1.0, float("nan"), 0.0, 0.0]}]})
 
 
 @pytest.mark.parametrize(
@@ -130,7 +140,7 @@ def test_already_decoded_payload_with_nan_is_rejected(tiny_spec):
 )
 def test_already_decoded_huge_integers_are_rejected(tiny_spec, item, field, problem):
     with pytest.raises(BadRequest) as error:
-        RequestDecoder(input_schema(tiny_spec)).decode({"items": [item]})
+        _decode_payload(tiny_spec, {"items": [item]})
     assert error.value.field == field and problem in error.value.message
 
 
@@ -201,3 +211,129 @@ def test_dlrm_refuses_context_and_weighted_bags(tiny_spec):
         _decode(tiny_spec, _with_item(sparse={"user_id": {"ids": [1], "weights": [1]}}))
     assert error.value.field == "items[1].sparse.user_id"
     assert "must be a list of ids, got object" in error.value.message
+
+
+# -- TorchServe's DLRM example's request shape: flat float_features --------------------------------
+
+
+def test_flat_float_features_equal_rows(tiny_spec):
+    rows = _decode(tiny_spec, {
+        "float_features": [[1, 2, 3, 4], [5, 6, 7, 8]],
+        "id_list_features.lengths": [2, 1, 0, 0, 0, 0, 1, 0, 0, 1],
+        "id_list_features.values": [5, 6, 9, 7, 23],
+    })
+    flat = _decode(tiny_spec, {
+        "float_features": [1, 2, 3, 4, 5, 6, 7, 8],
+        "id_list_features.lengths": [2, 1, 0, 0, 0, 0, 1, 0, 0, 1],
+        "id_list_features.values": [5, 6, 9, 7, 23],
+    })
+    for name in (DENSE_INPUT, SPARSE_INPUT):
+        assert str(flat.inputs.tensors[name]) == str(rows.inputs.tensors[name])
+    assert flat.encoder == JsonEncoder(default=True)
+
+
+def test_torchserve_example_request_shape_is_accepted():
+    """One item: 13 flat floats, 26 bags of one id each (Criteo 1TB ids; a 100k-row table hashes
+    them), exactly as clients of TorchServe's DLRM example send it."""
+    from handlers.modeling.registry import load_spec
+    from tests.conftest import CRITEO_SPEC
+
+    spec = load_spec(CRITEO_SPEC)
+    body = {
+        "float_features": [0.1 * k for k in range(13)],
+        "id_list_features.lengths": [1] * 26,
+        "id_list_features.values": [45_000_000 - 7 * k for k in range(26)],
+    }
+    decoded = _decode(spec, body)
+    assert decoded.inputs.num_items == 1
+    assert decoded.inputs.tensors[DENSE_INPUT].shape == (1, 13)
+    assert decoded.hashed_ids == sum(v >= r for v, r in zip(body["id_list_features.values"], spec.feature_rows))
+
+
+@pytest.mark.parametrize(
+    "dense, problem",
+    [([1, 2, 3], "a flat list must hold 4 numbers per item, got 3"), ([], "must be a non-empty list")],
+)
+def test_bad_flat_float_features_name_the_field(tiny_spec, dense, problem):
+    body = {"float_features": dense, "id_list_features.lengths": [0] * 5, "id_list_features.values": []}
+    with pytest.raises(BadRequest) as error:
+        _decode(tiny_spec, body)
+    assert error.value.field == "float_features" and problem in error.value.message
+
+
+# -- KServe v2 / Open Inference Protocol -----------------------------------------------------------
+
+
+def _v2(dense, lengths, values, **extra):
+    features = len(lengths)
+    inputs = [
+        {"name": "dense_features", "datatype": "FP32", "shape": [len(dense), len(dense[0])], "data": dense},
+        {"name": "sparse_features.lengths", "datatype": "INT64", "shape": [features, len(dense)],
+         "data": [x for row in lengths for x in row]},
+        {"name": "sparse_features.values", "datatype": "INT64", "shape": [len(values)], "data": values},
+    ]
+    return {"id": "req-1", "inputs": inputs, **extra}
+
+
+def test_v2_request_decodes_like_the_items_form(tiny_spec):
+    items = _decode(tiny_spec, {"items": [
+        {"dense": [1, 2, 3, 4], "sparse": {"user_id": [5, 6], "category": [7]}},
+        {"dense": [5, 6, 7, 8], "sparse": {"user_id": [9], "hour": [23]}},
+    ]})
+    v2 = _decode(tiny_spec, _v2(
+        [[1, 2, 3, 4], [5, 6, 7, 8]], [[2, 1], [0, 0], [0, 0], [1, 0], [0, 1]], [5, 6, 9, 7, 23]
+    ))
+    for name in (DENSE_INPUT, SPARSE_INPUT):
+        assert str(v2.inputs.tensors[name]) == str(items.inputs.tensors[name])
+    answer = orjson.loads(v2.encoder.scores(torch.tensor([0.0, 1.0])).body)
+    assert answer["id"] == "req-1" and answer["model_name"] == "tiny"
+    assert answer["outputs"] == [
+        {"name": "scores", "datatype": "FP32", "shape": [2], "data": [0.5, pytest.approx(0.7310586)]}
+    ]
+
+
+def test_v2_outputs_may_ask_for_logits(tiny_spec):
+    body = _v2([[1, 2, 3, 4]], [[0]] * 5, [], outputs=[{"name": "logits"}, {"name": "scores"}])
+    answer = orjson.loads(_decode(tiny_spec, body).encoder.scores(torch.tensor([2.0])).body)
+    assert [o["name"] for o in answer["outputs"]] == ["logits", "scores"]
+    assert answer["outputs"][0]["data"] == [2.0]
+
+
+V2_BAD_REQUESTS = [
+    (lambda b: b["inputs"].pop(2), "inputs", "input 'sparse_features.values' is required"),
+    (lambda b: b["inputs"][0].update(name="dense"), "inputs[0].name", "unknown input 'dense'"),
+    (lambda b: b["inputs"][0].update(datatype="BYTES"), "inputs[0] (dense_features).datatype", "must be one of"),
+    (lambda b: b["inputs"][0].update(shape=[1, 5]), "inputs[0] (dense_features).shape", "must be [n, 4], got [1, 5]"),
+    (lambda b: b["inputs"][2].update(shape=[2], data=[1, 2]), "inputs[2] (sparse_features.values).shape", "must be [1]"),
+    (lambda b: b["inputs"][2].update(data=[5000]), "inputs[2] (sparse_features.values) (feature user_id, item 0, id 0)", "outside the table's 1000 rows"),
+    (lambda b: b["inputs"][0].update(data=[[1, 2, 3, "x"]]), "inputs[0] (dense_features).data[3]", "must be a number"),
+    (lambda b: b["inputs"][0].update(data=[1, 2, 3]), "inputs[0] (dense_features).data", "shape [1, 4] needs 4 values, got 3"),
+    (lambda b: b.update(outputs=[{"name": "probabilities"}]), "outputs[0].name", "must be one of ['scores', 'logits']"),
+    (lambda b: b.update(extra=1), "extra", "unknown field"),
+]
+
+
+@pytest.mark.parametrize("mutate, field, problem", V2_BAD_REQUESTS)
+def test_bad_v2_request_names_the_field_in_a_v2_error(tiny_spec, mutate, field, problem):
+    body = _v2([[1, 2, 3, 4]], [[1], [0], [0], [0], [0]], [7])
+    mutate(body)
+    with pytest.raises(Rejected) as refusal:
+        RequestDecoder(input_schema(tiny_spec)).decode(json.dumps(body))
+    assert refusal.value.error.field == field and problem in refusal.value.error.message
+    response = refusal.value.response()
+    assert response.status == 400
+    assert orjson.loads(response.body) == {"error": f"{field}: {refusal.value.error.message.split(': ', 1)[1]}"}
+
+
+def test_v2_request_of_a_ranker_carries_context_and_weights(ranker_spec):
+    body = _v2([[0.1, 0.2, 0.3]], [[1], [2], [0]], [4, 17, 18])
+    body["inputs"] += [
+        {"name": "sparse_features.weights", "datatype": "FP32", "shape": [3], "data": [1, 0.5, 2]},
+        {"name": "context_features", "datatype": "FP32", "shape": [1, 8], "data": [[0.3] * 8]},
+    ]
+    decoded = _decode(ranker_spec, body)
+    assert decoded.inputs.tensors[SPARSE_INPUT].weights.tolist() == [1, 0.5, 2]
+    assert decoded.inputs.tensors[CONTEXT_INPUT].shape == (1, 8)
+    del body["inputs"][-1]
+    with pytest.raises(BadRequest, match="input 'context_features' is required"):
+        _decode(ranker_spec, body)

@@ -1,0 +1,92 @@
+"""Request bodies, decoded in one place: bytes -> ``DecodedRequest`` (typed tensors, and how to
+answer), whatever the wire form. The body's keys say which form it is:
+
+* ``items``: the project's items form (``json_items``);
+* ``float_features``: TorchRec's columnar form, as TorchServe's DLRM example sends it
+  (``json_columnar``), answered with its ``"default"`` logits as well;
+* ``inputs``: the KServe v2 / Open Inference Protocol form (``kserve_v2``), answered in v2 form.
+
+The JSON forms also take ``"context": [C floats]`` once per request for a model with a context
+input, and ``"return_logits": true``. Anything else is refused with a ``BadRequest`` naming the
+field, e.g. ``items[2].sparse.cat_4[1]``, in the form's own error shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from handlers.runtime.errors import BadRequest, ServingError
+from handlers.runtime.inputs import InputSchema, RequestInputs
+from handlers.runtime.validation import RequestChecks
+from handlers.runtime.wire.json_columnar import DENSE_KEY, ColumnarDecoder
+from handlers.runtime.wire.json_items import ItemsDecoder
+from handlers.runtime.wire.json_values import float_rows, json_type, parse_json, reject_unknown
+from handlers.runtime.wire.kserve_v2 import V2Decoder
+from handlers.runtime.wire.messages import DecodedRequest, JsonEncoder, Rejected
+
+CONTEXT_KEY = "context"
+RETURN_LOGITS_KEY = "return_logits"
+V2_KEY = "inputs"
+
+
+class RequestDecoder:
+    """Decodes and validates requests for one model's inputs; ``model_name`` is the name answers
+    carry where the protocol names the model (KServe v2)."""
+
+    def __init__(self, schema: InputSchema, model_name: str | None = None) -> None:
+        self.schema = schema
+        checks = RequestChecks(schema)
+        self._items = ItemsDecoder(schema, checks)
+        self._columnar = ColumnarDecoder(schema, checks)
+        self._v2 = V2Decoder(schema, checks, model_name or schema.model)
+        shared = {RETURN_LOGITS_KEY} | ({CONTEXT_KEY} if schema.context else set())
+        self._items_keys = frozenset({"items"} | shared)
+        self._columnar_keys = self._columnar.keys | shared
+
+    def decode(self, payload: bytes | bytearray | str | dict | list | None) -> DecodedRequest:
+        """Raises ``Rejected`` (the error and its answer) for a request it refuses."""
+        encoder: Any = JsonEncoder()
+        try:
+            body = parse_json(payload)
+            if not isinstance(body, dict):
+                raise BadRequest("body", f"must be a JSON object, got {json_type(body)}", "malformed_body")
+            if V2_KEY in body:
+                encoder = self._v2.encoder(body)
+                return self._v2.decode(body)
+            return self._decode_json(body)
+        except ServingError as error:
+            raise Rejected(error, encoder) from None
+
+    def _decode_json(self, body: dict) -> DecodedRequest:
+        return_logits = body.get(RETURN_LOGITS_KEY, False)
+        if not isinstance(return_logits, bool):
+            raise BadRequest(RETURN_LOGITS_KEY, f"must be true or false, got {return_logits!r}")
+        if "items" in body:
+            reject_unknown(body, self._items_keys, "")
+            rows = self._items.decode(body["items"])
+        elif DENSE_KEY in body:
+            reject_unknown(body, self._columnar_keys, "")
+            rows = self._columnar.decode(body)
+        else:
+            raise BadRequest(
+                "items",
+                "required (or the columnar form with float_features and id_list_features, or "
+                "KServe v2 inputs)",
+                "missing_field",
+            )
+        tensors: dict[str, Any] = {self.schema.rows.name: rows.dense, self.schema.jagged.name: rows.ids}
+        context = self.schema.context
+        if context is not None:
+            tensors[context.name] = self._context(body.get(CONTEXT_KEY))
+        encoder = JsonEncoder(return_logits=return_logits, default=DENSE_KEY in body)
+        inputs = RequestInputs(rows.dense.shape[0], tensors)
+        return DecodedRequest(inputs, encoder, rows.hashed_ids)
+
+    def _context(self, row: Any) -> torch.Tensor:
+        """The request's context row -> float32 [1, C]."""
+        width = self.schema.context_features
+        if row is None:
+            raise BadRequest(CONTEXT_KEY, f"required: a list of {width} numbers", "missing_field")
+        return torch.from_numpy(float_rows([row], width, lambda _: CONTEXT_KEY))

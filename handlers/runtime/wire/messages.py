@@ -1,0 +1,105 @@
+"""What the wire decoders produce: a request's rows and tensors, and how to answer it. Each wire
+form answers in its own shape (the project's JSON, TorchServe's DLRM example, the KServe v2
+protocol), for scores and for errors alike.
+
+    decoded = decoder.decode(body)             # DecodedRequest, or raises Rejected
+    response = decoded.encoder.scores(logits)  # Response(200, b'{"scores": [...]}')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+import orjson
+import torch
+
+from handlers.runtime.errors import ServingError
+from handlers.runtime.inputs import JaggedIds, RequestInputs
+
+JSON = "application/json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes
+    content_type: str = JSON
+
+
+class Encoder(Protocol):
+    def scores(self, logits: torch.Tensor) -> Response:
+        """The answer for one request's logits [n]."""
+
+    def error(self, error: ServingError) -> Response:
+        """The answer when the request fails."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonEncoder:
+    """``{"scores": [...]}`` (and ``"logits"`` when asked); ``default`` adds TorchServe's DLRM
+    example's ``"default": [logits]``, for its clients. Errors: ``{"code", "type", "message",
+    "field"}``."""
+
+    return_logits: bool = False
+    default: bool = False
+
+    def scores(self, logits: torch.Tensor) -> Response:
+        values = logits.tolist()
+        body: dict[str, list[float]] = {"scores": torch.sigmoid(logits).tolist()}
+        if self.return_logits:
+            body["logits"] = values
+        if self.default:
+            body["default"] = values
+        return Response(200, orjson.dumps(body))
+
+    def error(self, error: ServingError) -> Response:
+        return Response(error.status, orjson.dumps(error.to_body()))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodedRows:
+    """A request's items: dense rows [n, D], their bags of ids, and how many ids were hashed."""
+
+    dense: torch.Tensor
+    ids: JaggedIds
+    hashed_ids: int
+
+    @classmethod
+    def from_arrays(
+        cls,
+        dense: np.ndarray,
+        lengths: np.ndarray,
+        ids: np.ndarray,
+        weights: np.ndarray | None,
+        hashed_ids: int,
+    ) -> "DecodedRows":
+        jagged = JaggedIds(
+            lengths=torch.from_numpy(lengths),
+            values=torch.from_numpy(ids),
+            weights=None if weights is None else torch.from_numpy(weights),
+        )
+        return cls(torch.from_numpy(dense), jagged, hashed_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodedRequest:
+    """One request's inputs, how to answer it, and how many of its ids the out-of-range policy
+    hashed into their tables."""
+
+    inputs: RequestInputs
+    encoder: Encoder
+    hashed_ids: int = 0
+
+
+class Rejected(Exception):
+    """A request refused while decoding, with the answer in its wire form."""
+
+    def __init__(self, error: ServingError, encoder: Encoder) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.encoder = encoder
+
+    def response(self) -> Response:
+        return self.encoder.error(self.error)

@@ -1,0 +1,206 @@
+"""The wire forms and metrics through a real TorchServe: TorchServe's DLRM example's own request
+shape, the KServe v2 protocol (by hand and with Triton's standard client), and the handler's
+per-stage metrics on the Prometheus endpoint after traffic."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.http as triton
+from prometheus_client.parser import text_string_to_metric_families
+
+from archive_tools.build import ServingConfig, build_archive
+from archive_tools.local_server import LocalTorchServe
+from handlers.modeling.registry import load_spec
+from tests.conftest import CRITEO_SPEC, TINY_SPEC
+from tests.helpers import archive_service, items_request
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    """tiny.mar (reject policy) and criteo_small.mar (the Criteo shape, 1,000-row tables that hash
+    ids beyond them, as a Criteo 1TB client's ids are here)."""
+    root = tmp_path_factory.mktemp("protocols")
+    criteo = load_spec(CRITEO_SPEC)
+    criteo = criteo.replace(
+        name="criteo_small", tables=[t.model_copy(update={"rows": min(t.rows, 1000)}) for t in criteo.tables]
+    )
+    criteo.to_yaml(root / "criteo_small.yaml")
+    serving = ServingConfig(batch_size=8, max_batch_delay_ms=50)
+    for spec in (TINY_SPEC, root / "criteo_small.yaml"):
+        build_archive(spec, checkpoint=None, seed=0, name=None, version="1.0",
+                      model_store=root / "model_store", serving=serving)
+    return root / "model_store"
+
+
+@pytest.fixture(scope="module")
+def server(store):
+    with LocalTorchServe(model_store=store) as server:
+        for name in ("tiny", "criteo_small"):
+            assert server.register(f"{name}.mar").status_code == 200
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(store, tmp_path_factory):
+    return archive_service(store / "tiny.mar", tmp_path_factory.mktemp("tiny"))
+
+
+def _scores(service, body: dict) -> list[float]:
+    return json.loads(service.handle([json.dumps(body)]).responses[0].body)["scores"]
+
+
+def test_torchserve_dlrm_example_request_shape(server, store, tmp_path):
+    """One item as TorchServe's example client sends it: 13 flat floats, 26 bags of one id each
+    (Criteo 1TB ids); answered with our scores and the example's "default" logits."""
+    body = {
+        "float_features": [0.02, 0.2, -1.3, -0.7, 0.07, 0.59, 1.3, -0.62, 1.4, -1.16, -0.19, 0.86, -0.24],
+        "id_list_features.lengths": [1] * 26,
+        "id_list_features.values": [45_821_459 - 1_700_003 * k for k in range(26)],
+    }
+    response = server.predict("criteo_small", body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    reference = archive_service(store / "criteo_small.mar", tmp_path)
+    assert answer["scores"] == pytest.approx(_scores(reference, body), abs=1e-6)
+    assert answer["scores"] == pytest.approx(1 / (1 + np.exp(-np.array(answer["default"]))), abs=1e-6)
+
+
+def _v2_body(spec, request: dict) -> dict:
+    """The items-form ``request`` as a KServe v2 body."""
+    items = request["items"]
+    features = spec.feature_names
+    lengths = [[len(item["sparse"].get(f, [])) for item in items] for f in features]
+    values = [i for f in features for item in items for i in item["sparse"].get(f, [])]
+    return {
+        "id": "v2-1",
+        "inputs": [
+            {"name": "dense_features", "datatype": "FP32", "shape": [len(items), spec.dense_features],
+             "data": [x for item in items for x in item["dense"]]},
+            {"name": "sparse_features.lengths", "datatype": "INT64", "shape": [len(features), len(items)],
+             "data": lengths},
+            {"name": "sparse_features.values", "datatype": "INT64", "shape": [len(values)], "data": values},
+        ],
+    }
+
+
+def test_kserve_v2_requests_are_batched_and_score_as_json(server, tiny_spec, tiny_reference):
+    requests_ = [items_request(tiny_spec, n, seed=60 + n, max_bag=4) for n in (1, 5, 12, 3) * 4]
+    url = f"{server.inference_url}/v2/models/tiny/infer"
+    headers = {**server.auth("inference"), "Content-Type": "application/json"}
+    with ThreadPoolExecutor(max_workers=len(requests_)) as pool:
+        answers = list(pool.map(
+            lambda r: requests.post(url, data=json.dumps(_v2_body(tiny_spec, r)), headers=headers, timeout=60),
+            requests_,
+        ))
+    for request, answer in zip(requests_, answers):
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert body["model_name"] == "tiny" and body["id"] == "v2-1"
+        (scores,) = body["outputs"]
+        assert scores["name"] == "scores" and scores["datatype"] == "FP32"
+        assert scores["shape"] == [len(request["items"])]
+        assert scores["data"] == pytest.approx(_scores(tiny_reference, request), abs=1e-6)
+
+    bad = _v2_body(tiny_spec, requests_[0])
+    bad["inputs"][0]["shape"] = [1, 9]
+    answer = requests.post(url, data=json.dumps(bad), headers=headers, timeout=60)
+    assert answer.status_code == 400
+    assert answer.json() == {"error": "inputs[0] (dense_features).shape: must be [n, 4], got [1, 9]"}
+
+
+def test_tritons_standard_v2_client_works_unchanged(server, tiny_spec, tiny_reference):
+    request = items_request(tiny_spec, 6, seed=77, max_bag=3)
+    v2 = _v2_body(tiny_spec, request)["inputs"]
+    client = triton.InferenceServerClient(server.inference_url.removeprefix("http://"))
+    inputs = []
+    for tensor, dtype in zip(v2, (np.float32, np.int64, np.int64)):
+        array = np.asarray(tensor["data"], dtype=dtype).reshape(tensor["shape"])
+        triton_input = triton.InferInput(tensor["name"], list(array.shape), tensor["datatype"])
+        triton_input.set_data_from_numpy(array, binary_data=False)
+        inputs.append(triton_input)
+    outputs = [triton.InferRequestedOutput(name, binary_data=False) for name in ("scores", "logits")]
+    result = client.infer("tiny", inputs, outputs=outputs, headers=server.auth("inference"))
+    scores = result.as_numpy("scores")
+    assert scores.shape == (6,)
+    assert scores.tolist() == pytest.approx(_scores(tiny_reference, request), abs=1e-6)
+    assert (1 / (1 + np.exp(-result.as_numpy("logits")))).tolist() == pytest.approx(scores.tolist(), abs=1e-6)
+
+
+def _metrics(server, model: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels without ModelName/Level/Hostname): value} for ``model``
+    (the parser's ``_total`` suffix of counters left off)."""
+    text = requests.get(f"{server.metrics_url}/metrics", timeout=30).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("ModelName") == model:
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items()
+                                      if k not in ("ModelName", "Level", "Hostname")))
+                samples[(sample.name.removesuffix("_total"), labels)] = sample.value
+    return samples
+
+
+def test_per_stage_metrics_count_the_traffic(server, tiny_spec):
+    """After known traffic: every batch timed in each stage, refusals counted by reason."""
+    before = _metrics(server, "tiny")
+    good = [items_request(tiny_spec, 2, seed=k) for k in range(5)]
+    bad = [b"{broken", {"items": [{"dense": [0] * 4, "colour": 1}]},
+           {"items": [{"dense": [0] * 4, "sparse": {"user_id": [10**6]}}]}]
+    for body in good + bad:
+        server.predict("tiny", body if isinstance(body, bytes) else json.dumps(body))
+    after = _metrics(server, "tiny")
+
+    def grew(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    batches = sum(grew("HandlerBatches", Requests=str(k)) * k for k in range(1, 9))
+    assert batches == len(good) + len(bad)
+    for stage in ("decode", "coalesce", "forward", "encode"):
+        timed = grew("HandlerStageTime_count", Stage=stage)
+        assert timed == sum(grew("HandlerBatches", Requests=str(k)) for k in range(1, 9)), stage
+        assert grew("HandlerStageTime_sum", Stage=stage) > 0, stage
+    assert grew("HandlerForwardItems") == 2 * len(good)
+    assert grew("HandlerRejectedRequests", Reason="malformed_body") == 1
+    assert grew("HandlerRejectedRequests", Reason="unknown_field") == 1
+    assert grew("HandlerRejectedRequests", Reason="id_out_of_range") == 1
+
+
+def test_hashed_ids_are_counted(server):
+    spec = load_spec(CRITEO_SPEC)
+    before = _metrics(server, "criteo_small").get(("HandlerHashedIds", ()), 0)
+    body = {"float_features": [0.0] * 13, "id_list_features.lengths": [2] + [0] * 25,
+            "id_list_features.values": [5_000, 999]}
+    assert server.predict("criteo_small", body).status_code == 200
+    after = _metrics(server, "criteo_small").get(("HandlerHashedIds", ()), 0)
+    assert after - before == 1 and spec.feature_names[0] == "cat_0"
+
+
+def test_the_grafana_dashboard_plots_metrics_the_server_publishes(server, tiny_spec):
+    """Every metric the shipped dashboard queries exists on the Prometheus endpoint after traffic."""
+    from archive_tools.resources import config_dir
+
+    assert server.predict("tiny", items_request(tiny_spec, 1, seed=1)).status_code == 200
+    assert server.predict("tiny", b"{broken").status_code == 400  # a refusal, counted
+    hashed = {"float_features": [0.0] * 13, "id_list_features.lengths": [1] + [0] * 25,
+              "id_list_features.values": [123_456]}
+    assert server.predict("criteo_small", hashed).status_code == 200  # an id hashed, counted
+    dashboard = json.loads((config_dir() / "grafana" / "torchrec-serve.json").read_text())
+    expressions = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    queried = {
+        re.sub(r"_(bucket|sum|count|total)$", "", name)
+        for expr in expressions
+        for name in re.findall(r"\b(ts_[a-z_]+|Handler[A-Za-z_]+)\{", expr)
+    }
+    text = requests.get(f"{server.metrics_url}/metrics", timeout=30).text
+    published = {family.name for family in text_string_to_metric_families(text)}
+    assert len(queried) >= 8 and queried <= published, queried - published
