@@ -35,7 +35,9 @@ from tqdm import tqdm
 
 import handlers
 from archive_tools.capture import capture, check_capturable
-from archive_tools.verification import Bounds, ValidationData, VerificationReport, verify
+from archive_tools.summary import spec_summary
+from archive_tools.validation_data import read_validation
+from archive_tools.verification import Bounds, VerificationReport, generated_validation, verify
 from handlers.loading import SPEC_FILE, load_service
 from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.eager import eager_service
@@ -118,6 +120,8 @@ def build_archive(
         if artifact != Artifact.EAGER:
             check_capturable(spec)
         factory = DLRMFactory(spec)
+        for line in spec_summary(spec, factory):
+            tqdm.write(line, file=sys.stderr)
         stages.update()
 
         if quantized_init:
@@ -128,7 +132,9 @@ def build_archive(
             stages.set_postfix_str("float model")
             reference = factory.float_model(seed=seed)
             if checkpoint is not None:
-                factory.load_checkpoint(reference, read_checkpoint(checkpoint))
+                note = factory.load_checkpoint(reference, read_checkpoint(checkpoint))
+                if note:
+                    tqdm.write(f"checkpoint {checkpoint}: {note}", file=sys.stderr)
             stages.update()
             stages.set_postfix_str("quantize")
             weights = factory.quantize(reference)
@@ -201,9 +207,9 @@ def _verify_stage(
     """The artifact, loaded as the handler loads it, against the model it was made from."""
     served = load_service(staging, options)
     data = (
-        ValidationData.from_jsonl(validation)
+        read_validation(validation, spec)
         if validation is not None
-        else ValidationData.generated(spec, reference, 64, 16, seed)
+        else generated_validation(spec, reference, 64, 16, seed)
     )
     return verify(served, reference, data, bounds)
 
@@ -221,7 +227,9 @@ def _package(
             file.rename(staging.parent / file.name)
     subprocess.run(
         [
-            sys.executable, "-m", "model_archiver.model_packaging",  # torch-model-archiver
+            # the torch-model-archiver command, run by this interpreter wherever it is installed
+            sys.executable, "-c", "from model_archiver.model_packaging import generate_model_archive as "
+            "main; main()",
             "--model-name", name,
             "--version", version,
             "--handler", str(HANDLER_FILE),

@@ -29,7 +29,8 @@ from archive_tools.build import (
 )
 from archive_tools.local_server import LocalTorchServe, PortTaken, ServerDied
 from archive_tools.resources import spec_path
-from archive_tools.verification import Bounds, ValidationData, ValidationDataError, verify
+from archive_tools.validation_data import ValidationDataError, read_validation
+from archive_tools.verification import Bounds, generated_validation, verify
 from handlers.loading import SPEC_FILE
 from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.eager import eager_service
@@ -115,9 +116,9 @@ def _verify(args: argparse.Namespace) -> int:
         reference = eager_service(spec, reference_model)
         served = load_archive(folder, Path(tmp))
         data = (
-            ValidationData.from_jsonl(args.validation)
+            read_validation(args.validation, spec)
             if args.validation is not None
-            else ValidationData.generated(spec, reference, 64, 16, args.seed)
+            else generated_validation(spec, reference, 64, 16, args.seed or 0)
         )
         report = verify(served, reference, data, _bounds(args))
     for line in report.lines("float"):
@@ -251,13 +252,22 @@ def _build_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--name", help="model name (default: the spec's name)")
     parser.add_argument("--version", default="1.0", help="model version")
-    parser.add_argument("--model-store", type=Path, default=Path("model_store"))
-    parser.add_argument("--batch-size", type=int, default=ServingConfig.batch_size)
     parser.add_argument(
-        "--max-batch-delay", type=int, default=ServingConfig.max_batch_delay_ms, help="ms"
+        "--model-store", type=Path, default=Path("model_store"), help="where the archive goes"
     )
-    parser.add_argument("--workers", type=int, default=ServingConfig.workers)
-    parser.add_argument("--intra-op-threads", type=int, default=ServingConfig.intra_op_threads)
+    parser.add_argument(
+        "--batch-size", type=int, default=ServingConfig.batch_size,
+        help="TorchServe batchSize: requests coalesced into one forward at most",
+    )
+    parser.add_argument(
+        "--max-batch-delay", type=int, default=ServingConfig.max_batch_delay_ms,
+        help="TorchServe maxBatchDelay, ms: how long a batch waits to fill",
+    )
+    parser.add_argument("--workers", type=int, default=ServingConfig.workers, help="workers per model")
+    parser.add_argument(
+        "--intra-op-threads", type=int, default=ServingConfig.intra_op_threads,
+        help="torch intra-op threads per worker",
+    )
     _verification_args(parser)
 
 
@@ -273,7 +283,8 @@ def _verification_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--validation",
         type=Path,
-        help="JSON-lines validation requests, optionally with labels (default: generated from the spec)",
+        help="validation data: JSON lines (requests or item records with label/labels) or a Criteo "
+        "TSV (default: requests generated from the spec, labelled by the reference)",
     )
     parser.add_argument(
         "--max-score-diff",
@@ -282,8 +293,19 @@ def _verification_args(parser: argparse.ArgumentParser) -> None:
         help="refuse if any validation score differs from the reference's by more",
     )
     parser.add_argument("--max-rel-score-diff", type=float, default=None, help="same, relative")
-    parser.add_argument("--max-auc-drop", type=float, default=Bounds.max_auc_drop)
-    parser.add_argument("--max-ne-increase", type=float, default=Bounds.max_ne_increase)
+    parser.add_argument(
+        "--max-auc-drop", type=float, default=Bounds.max_auc_drop,
+        help="refuse if the AUC on labelled validation data drops by more",
+    )
+    parser.add_argument(
+        "--max-ne-increase", type=float, default=Bounds.max_ne_increase,
+        help="refuse if the normalized entropy on labelled validation data rises by more",
+    )
+    parser.add_argument(
+        "--expect-auc", type=float, default=None,
+        help="the training evaluation's AUC: refuse if the served AUC falls below it by more "
+        "than --max-auc-drop",
+    )
 
 
 def _bounds(args: argparse.Namespace) -> Bounds:
@@ -292,12 +314,15 @@ def _bounds(args: argparse.Namespace) -> Bounds:
         max_rel_score_diff=args.max_rel_score_diff,
         max_auc_drop=args.max_auc_drop,
         max_ne_increase=args.max_ne_increase,
+        expected_auc=args.expect_auc,
     )
 
 
 def _serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("archives", nargs="*", help="archives in the model store to register")
-    parser.add_argument("--model-store", type=Path, default=Path("model_store"))
+    parser.add_argument(
+        "--model-store", type=Path, default=Path("model_store"), help="the archives' folder"
+    )
     parser.add_argument("--config", type=Path, help="TorchServe config (default: the project's)")
     parser.add_argument(
         "--free-ports", action="store_true", help="listen on free ports, not the config's"

@@ -28,6 +28,10 @@ from handlers.modeling.eager import PlainInputs
 from handlers.runtime.artifacts import aoti_weights_file
 from handlers.runtime.batching import Batch, plain_arguments
 from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds
+from handlers.runtime.quiet import quieter
+
+# torch's own pytree code, when a program is saved or compiled, trips its own deprecation warning.
+_PYTREE_DEPRECATION = (r"`isinstance\(treespec, LeafSpec\)` is deprecated",)
 
 MAX_BATCH = 1 << 16
 MAX_VALUES = 1 << 28
@@ -68,30 +72,33 @@ def export_model(
     weighted = any(isinstance(v, JaggedIds) and v.weights is not None for v in example.values())
     plain = PlainInputs(model, tags, weighted).eval()
     arguments = plain_arguments(example, tags)
-    with torch.inference_mode():
-        plain(*arguments)  # one eager forward fills buffers that TorchRec builds lazily
-    # Size checks the trace would turn into guards (batch == 1 among them) become runtime
-    # asserts instead, so a graph traced on the example's sizes still takes a batch of 1.
-    return torch.export.export(
-        plain,
-        arguments,
-        dynamic_shapes=(dynamic_shapes(tags, weighted, min_batch),),  # for *tensors
-        strict=False,
-        prefer_deferred_runtime_asserts_over_guards=True,
-    )
+    # TorchRec asks torch.fx whether it is tracing, which warns that export counts as tracing.
+    with quieter("torch.fx._symbolic_trace", warning_messages=_PYTREE_DEPRECATION):
+        with torch.inference_mode():
+            plain(*arguments)  # one eager forward fills buffers that TorchRec builds lazily
+        # Size checks the trace would turn into guards (batch == 1 among them) become runtime
+        # asserts instead, so a graph traced on the example's sizes still takes a batch of 1.
+        return torch.export.export(
+            plain,
+            arguments,
+            dynamic_shapes=(dynamic_shapes(tags, weighted, min_batch),),  # for *tensors
+            strict=False,
+            prefer_deferred_runtime_asserts_over_guards=True,
+        )
 
 
 def compile_aoti(program: torch.export.ExportedProgram, path: Path) -> Path:
     """AOTInductor: the exported program compiled to a native package (C++ compiler needed), its
     weights beside it (``aoti_weights_file``), by name, to be memory-mapped at load rather than
     copied out of the package's shared library."""
-    package = Path(
-        torch._inductor.aoti_compile_and_package(
-            program,
-            package_path=str(path),
-            inductor_configs={"aot_inductor.package_constants_in_so": False},
+    with quieter("torch.fx._symbolic_trace", warning_messages=_PYTREE_DEPRECATION):
+        package = Path(
+            torch._inductor.aoti_compile_and_package(
+                program,
+                package_path=str(path),
+                inductor_configs={"aot_inductor.package_constants_in_so": False},
+            )
         )
-    )
     state = {**program.state_dict, **program.constants}
     needed = torch._inductor.aoti_load_package(str(package)).get_constant_fqns()
     missing = [name for name in needed if not isinstance(state.get(name), torch.Tensor)]

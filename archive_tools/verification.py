@@ -1,34 +1,28 @@
 """The verification gate: the artifact, loaded fresh as the handler loads it, against the reference.
 
 The reference is the trained float model (or, for ``--init quantized``, the model that was built).
-On validation data (a JSON-lines file of requests with optional labels, or requests generated from
-the spec) it reports the largest absolute and relative score differences and, where labels exist,
-AUC and normalized entropy (NE) of both models and their deltas. Past the bounds the archive is
-refused; the report says which bound and by how much.
-
-A validation file holds one request per line, either a bare request body or
-``{"request": {...}, "labels": [0, 1, ...]}`` with one 0/1 label per item.
+On validation data (a file, ``archive_tools.validation_data``, or requests generated from the spec)
+it reports the largest absolute and relative score differences and, where labels exist, AUC, log
+loss and normalized entropy (NE) of both models. Past the bounds the archive is refused; the
+report says which bound and by how much. With ``expected_auc`` (the training evaluation's AUC) the
+served artifact is also held to it, as teams check before a model ships.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
-from typing import Any
 
 import orjson
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
+from archive_tools.validation_data import ValidationData, ValidationDataError
 from handlers.modeling.registry import synthetic_request
 from handlers.modeling.spec import ModelSpec
 from handlers.runtime.batching import chunk_by_items
 from handlers.runtime.service import ScoringService
-
-
-class ValidationDataError(ValueError):
-    """A validation file that cannot be read; the message names the file, line and field."""
+from handlers.runtime.wire.messages import Rejected
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,58 +31,37 @@ class Bounds:
     max_rel_score_diff: float | None = None
     max_auc_drop: float = 0.001
     max_ne_increase: float = 0.002
+    expected_auc: float | None = None  # the training evaluation's, held to within max_auc_drop
+
+
+def generated_validation(
+    spec: ModelSpec, reference: ScoringService, num_requests: int, items: int, seed: int
+) -> ValidationData:
+    """Requests from the spec, with clicks drawn from the reference's standardized logits
+    (sigmoid of 2 z-scores). The reference then ranks them well (AUC about 0.8) even with
+    untrained weights, whose raw scores all sit near 0.5; a served model that ranks
+    differently loses AUC and gains NE."""
+    requests = [
+        synthetic_request(spec, items, seed=seed + 1000 + k, max_bag=4) for k in range(num_requests)
+    ]
+    origins = [f"generated request {k}" for k in range(num_requests)]
+    data = ValidationData(requests, None, "generated", origins)
+    logits = torch.logit(torch.cat(_scores(reference, data)).double(), eps=1e-12)
+    z = (logits - logits.mean()) / logits.std().clamp_min(1e-12)
+    generator = torch.Generator().manual_seed(seed)
+    clicks = torch.bernoulli(torch.sigmoid(2 * z), generator=generator).int()
+    labels = [part.tolist() for part in torch.split(clicks, items)]
+    source = f"generated from the spec ({num_requests} x {items} items)"
+    return ValidationData(requests, labels, source, origins)
 
 
 @dataclasses.dataclass(frozen=True)
-class ValidationData:
-    """Request bodies, and per request one 0/1 label per item where labels exist."""
+class Quality:
+    """How well one model's scores rank and predict the labels."""
 
-    requests: list[dict]
-    labels: list[list[int]] | None
-    source: str
-
-    @classmethod
-    def from_jsonl(cls, path: Path) -> "ValidationData":
-        requests, labels = [], []
-        for number, line in enumerate(path.read_bytes().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = orjson.loads(line)
-            except orjson.JSONDecodeError as e:
-                raise ValidationDataError(f"{path}:{number}: not JSON: {e}") from None
-            if "request" in row:
-                requests.append(row["request"])
-                labels.append(row.get("labels"))
-            else:
-                requests.append(row)
-                labels.append(None)
-            if labels[-1] is not None and len(labels[-1]) != _item_count(requests[-1]):
-                raise ValidationDataError(f"{path}:{number}: labels must hold one 0/1 label per item")
-        if not requests:
-            raise ValidationDataError(f"{path}: no requests")
-        labelled = [lab for lab in labels if lab is not None]
-        if labelled and len(labelled) != len(labels):
-            raise ValidationDataError(f"{path}: either every request has labels or none has")
-        return cls(requests, labels if labelled else None, f"file {path}")
-
-    @classmethod
-    def generated(
-        cls, spec: ModelSpec, reference: ScoringService, num_requests: int, items: int, seed: int
-    ) -> "ValidationData":
-        """Requests from the spec, with clicks drawn from the reference's standardized logits
-        (sigmoid of 2 z-scores). The reference then ranks them well (AUC about 0.8) even with
-        untrained weights, whose raw scores all sit near 0.5; a served model that ranks
-        differently loses AUC and gains NE."""
-        requests = [
-            synthetic_request(spec, items, seed=seed + 1000 + k, max_bag=4) for k in range(num_requests)
-        ]
-        logits = torch.logit(torch.cat(_scores(reference, requests)).double(), eps=1e-12)
-        z = (logits - logits.mean()) / logits.std().clamp_min(1e-12)
-        generator = torch.Generator().manual_seed(seed)
-        clicks = torch.bernoulli(torch.sigmoid(2 * z), generator=generator).int()
-        labels = [part.tolist() for part in torch.split(clicks, items)]
-        return cls(requests, labels, f"generated from the spec ({num_requests} x {items} items)")
+    auc: float
+    log_loss: float
+    ne: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +71,8 @@ class VerificationReport:
     items: int
     max_abs_score_diff: float
     max_rel_score_diff: float
-    auc_reference: float | None
-    auc_served: float | None
-    ne_reference: float | None
-    ne_served: float | None
+    reference: Quality | None
+    served: Quality | None
     bounds: Bounds
     failures: tuple[str, ...]
 
@@ -120,11 +91,14 @@ class VerificationReport:
             f"  max |score - {against} score| = {self.max_abs_score_diff:.2e} "
             f"(relative {self.max_rel_score_diff:.2e}), bound {self.bounds.max_abs_score_diff:g}",
         ]
-        if self.auc_reference is not None:
+        if self.served is not None and self.reference is not None:
             out.append(
-                f"  AUC {self.auc_served:.5f} vs {self.auc_reference:.5f} ({against}); "
-                f"NE {self.ne_served:.5f} vs {self.ne_reference:.5f}"
+                f"  AUC {self.served.auc:.5f} vs {self.reference.auc:.5f} ({against}); "
+                f"log loss {self.served.log_loss:.5f} vs {self.reference.log_loss:.5f}; "
+                f"NE {self.served.ne:.5f} vs {self.reference.ne:.5f}"
             )
+            if self.bounds.expected_auc is not None:
+                out.append(f"  training evaluation's AUC {self.bounds.expected_auc:.5f}")
         out.append("  passed" if self.passed else "  FAILED: " + "; ".join(self.failures))
         return out
 
@@ -132,8 +106,8 @@ class VerificationReport:
 def verify(
     served: ScoringService, reference: ScoringService, data: ValidationData, bounds: Bounds
 ) -> VerificationReport:
-    served_scores = torch.cat(_scores(served, data.requests))
-    reference_scores = torch.cat(_scores(reference, data.requests))
+    served_scores = torch.cat(_scores(served, data))
+    reference_scores = torch.cat(_scores(reference, data))
     diff = (served_scores - reference_scores).abs()
     max_abs = float(diff.max())
     max_rel = float((diff / reference_scores.clamp_min(1e-12)).max())
@@ -142,34 +116,58 @@ def verify(
         failures.append(f"max abs score diff {max_abs:.3e} > {bounds.max_abs_score_diff:g}")
     if bounds.max_rel_score_diff is not None and max_rel > bounds.max_rel_score_diff:
         failures.append(f"max rel score diff {max_rel:.3e} > {bounds.max_rel_score_diff:g}")
-    auc_ref = auc_srv = ne_ref = ne_srv = None
+    reference_quality = served_quality = None
     if data.labels is not None:
         labels = torch.tensor([y for request in data.labels for y in request])
-        auc_ref, auc_srv = auc(reference_scores, labels), auc(served_scores, labels)
-        ne_ref, ne_srv = normalized_entropy(reference_scores, labels), normalized_entropy(
-            served_scores, labels
-        )
-        if auc_ref - auc_srv > bounds.max_auc_drop:
-            failures.append(f"AUC drop {auc_ref - auc_srv:.2e} > {bounds.max_auc_drop:g}")
-        if ne_srv - ne_ref > bounds.max_ne_increase:
-            failures.append(f"NE increase {ne_srv - ne_ref:.2e} > {bounds.max_ne_increase:g}")
+        reference_quality = quality(reference_scores, labels)
+        served_quality = quality(served_scores, labels)
+        if reference_quality.auc - served_quality.auc > bounds.max_auc_drop:
+            drop = reference_quality.auc - served_quality.auc
+            failures.append(f"AUC drop {drop:.2e} > {bounds.max_auc_drop:g}")
+        if served_quality.ne - reference_quality.ne > bounds.max_ne_increase:
+            rise = served_quality.ne - reference_quality.ne
+            failures.append(f"NE increase {rise:.2e} > {bounds.max_ne_increase:g}")
+        expected = bounds.expected_auc
+        if expected is not None and expected - served_quality.auc > bounds.max_auc_drop:
+            failures.append(
+                f"AUC {served_quality.auc:.5f} is {expected - served_quality.auc:.2e} below the "
+                f"training evaluation's {expected:g} (bound {bounds.max_auc_drop:g})"
+            )
     return VerificationReport(
         source=data.source,
         requests=len(data.requests),
         items=int(served_scores.numel()),
         max_abs_score_diff=max_abs,
         max_rel_score_diff=max_rel,
-        auc_reference=auc_ref,
-        auc_served=auc_srv,
-        ne_reference=ne_ref,
-        ne_served=ne_srv,
+        reference=reference_quality,
+        served=served_quality,
         bounds=bounds,
         failures=tuple(failures),
     )
 
 
+def quality(scores: torch.Tensor, labels: torch.Tensor) -> Quality:
+    loss = log_loss(scores, labels)
+    return Quality(auc(scores, labels), loss, loss / base_rate_log_loss(labels))
+
+
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return float(binary_auroc(scores.double(), labels.long()))
+
+
+def log_loss(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean binary cross-entropy of the click probabilities ``scores`` (natural log)."""
+    p = scores.double().clamp(1e-12, 1 - 1e-12)
+    y = labels.double()
+    return -(y * p.log() + (1 - y) * (1 - p).log()).mean().item()
+
+
+def base_rate_log_loss(labels: torch.Tensor) -> float:
+    """Log loss of always predicting the click rate: NE's denominator (NaN if all labels agree)."""
+    rate = labels.double().mean().item()
+    if rate in (0.0, 1.0):
+        return math.nan
+    return -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
 
 
 def normalized_entropy(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -177,28 +175,26 @@ def normalized_entropy(scores: torch.Tensor, labels: torch.Tensor) -> float:
 
     1.0 is no better than the click rate alone; lower is better.
     """
-    p = scores.double().clamp(1e-12, 1 - 1e-12)
-    y = labels.double()
-    log_loss = -(y * p.log() + (1 - y) * (1 - p).log()).mean().item()
-    rate = y.mean().item()
-    if rate in (0.0, 1.0):
-        return math.nan
-    base = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
-    return log_loss / base
+    return log_loss(scores, labels) / base_rate_log_loss(labels)
 
 
-def _scores(service: ScoringService, requests: list[dict]) -> list[torch.Tensor]:
-    """Click probabilities per request, through the service's own decoder and coalescer."""
-    inputs = [service.decoder.decode(request).inputs for request in requests]
+def _scores(service: ScoringService, data: ValidationData) -> list[torch.Tensor]:
+    """Click probabilities per request, through the service's own decoder and coalescer; a
+    request it refuses names its line."""
+    inputs = []
+    for request, origin in zip(data.requests, data.origins):
+        try:
+            inputs.append(service.decoder.decode(request).inputs)
+        except Rejected as refusal:
+            raise ValidationDataError(f"{origin}: {refusal.error.message}") from None
+    if data.labels is not None:
+        for request, labels, origin in zip(inputs, data.labels, data.origins):
+            if len(labels) != request.num_items:
+                raise ValidationDataError(
+                    f"{origin}: labels: one label per item: the request has {request.num_items} "
+                    f"items, got {len(labels)} labels"
+                )
     scores: list[torch.Tensor] = []
     for chunk in chunk_by_items(inputs, service.schema.limits.max_items_per_forward):
         scores += [torch.sigmoid(logits) for logits in service.logits([inputs[i] for i in chunk])]
     return scores
-
-
-def _item_count(request: Any) -> int:
-    if isinstance(request, dict) and isinstance(request.get("items"), list):
-        return len(request["items"])
-    if isinstance(request, dict) and isinstance(request.get("float_features"), list):
-        return len(request["float_features"])
-    return -1

@@ -1,4 +1,10 @@
-"""Trained checkpoints: read a saved state dict, map its names into the model's, load it strictly."""
+"""Trained checkpoints: read a saved state dict, map its names into the model's, load it strictly.
+
+Training wrappers prefix every name: TorchRec's ``DLRMTrain`` with ``model.``, DDP and
+``DataParallel`` with ``module.``, ``torch.compile`` with ``_orig_mod.``. Without a
+``checkpoint_mapping`` in the spec, a checkpoint whose every name carries one of these prefixes,
+and matches the model once it is stripped, is loaded with it stripped (and says so).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,12 @@ from torch import nn
 
 from handlers.modeling.errors import CheckpointError
 from handlers.modeling.spec import CheckpointMapping
+
+WRAPPER_PREFIXES = {
+    "model.": "TorchRec's DLRMTrain",
+    "module.": "DistributedDataParallel / DataParallel",
+    "_orig_mod.": "torch.compile",
+}
 
 
 def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
@@ -24,13 +36,18 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
 
 def load_checkpoint(
     model: nn.Module, state_dict: dict[str, torch.Tensor], mapping: CheckpointMapping
-) -> None:
-    """Loads a trained state dict strictly, after the spec's name mapping.
+) -> str | None:
+    """Loads a trained state dict strictly, after the spec's name mapping (or a training
+    wrapper's prefix, detected where the spec maps nothing). Returns what was stripped, if a
+    wrapper was detected.
 
     Raises ``CheckpointError`` listing every missing, unexpected and mis-shaped key at once.
     """
-    mapped = {mapping.apply(k): v for k, v in state_dict.items()}
     expected = model.state_dict()
+    detected = None if mapping.prefixes else _wrapper_prefix(state_dict, set(expected))
+    if detected is not None:
+        mapping = CheckpointMapping(prefixes={detected: ""})
+    mapped = {mapping.apply(k): v for k, v in state_dict.items()}
     missing = sorted(set(expected) - set(mapped))
     unexpected = sorted(set(mapped) - set(expected))
     misshaped = sorted(
@@ -45,6 +62,22 @@ def load_checkpoint(
     ]
     if problems:
         raise CheckpointError(
-            "checkpoint does not match the spec (after checkpoint_mapping): " + "; ".join(problems)
+            "checkpoint does not match the spec (after checkpoint_mapping): "
+            + "; ".join(problems)
+            + ". Map other names with checkpoint_mapping.prefixes in the spec; shapes come from "
+            "its tables (rows, dim) and MLP sizes"
         )
     model.load_state_dict(mapped, strict=True)
+    if detected is None:
+        return None
+    return f"stripped the prefix {detected!r} of {WRAPPER_PREFIXES[detected]}'s wrapper"
+
+
+def _wrapper_prefix(state_dict: dict[str, torch.Tensor], expected: set[str]) -> str | None:
+    names = set(state_dict)
+    if names == expected:
+        return None
+    for prefix in WRAPPER_PREFIXES:
+        if all(n.startswith(prefix) for n in names) and {n[len(prefix):] for n in names} == expected:
+            return prefix
+    return None

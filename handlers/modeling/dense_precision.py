@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torchao.quantization import (
-    Int8DynamicActivationInt8WeightConfig,
-    Int8WeightOnlyConfig,
-    quantize_,
-)
-
 from handlers.modeling.spec import DensePrecision, ModelSpec
+from handlers.runtime.quiet import quieter
+
+# Importing TorchAO logs that its CUDA-only kernels (mxfp8, cutlass) and Triton are missing, which a
+# CPU build does not use, and torch deprecates how it registers an enum with torch.compile.
+with quieter("torchao", "torch.utils._pytree"):
+    from torchao.quantization import (
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        quantize_,
+    )
 
 _FLOAT_DTYPES = {DensePrecision.BF16: torch.bfloat16, DensePrecision.FP16: torch.float16}
 

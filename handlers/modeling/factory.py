@@ -96,9 +96,10 @@ class DLRMFactory:
             torch.manual_seed(seed)
         return self._build(self._float_ebc(device), torch.device(device)).eval()
 
-    def load_checkpoint(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-        """Loads a trained state dict strictly, after the spec's ``checkpoint_mapping``."""
-        checkpoint.load_checkpoint(model, state_dict, self.spec.checkpoint_mapping)
+    def load_checkpoint(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> str | None:
+        """Loads a trained state dict strictly, after the spec's ``checkpoint_mapping`` (or a
+        training wrapper's prefix it detects); returns what it stripped, if anything."""
+        return checkpoint.load_checkpoint(model, state_dict, self.spec.checkpoint_mapping)
 
     # -- served weights ------------------------------------------------------------------------
 

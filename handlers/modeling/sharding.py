@@ -11,6 +11,7 @@ from torch import nn
 
 from handlers.modeling.architecture import EBC_PATH
 from handlers.modeling.spec import ModelSpec, Pooling, ShardingType, TableSpec
+from handlers.runtime.quiet import quieter
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel  # isort: skip
 from torchrec.distributed import global_settings  # isort: skip
@@ -29,7 +30,10 @@ def shard(model: nn.Module, spec: ModelSpec) -> nn.Module:
         for t in spec.tables
     }
     device = spec.sharding.device
-    with _propagate_device():
+    # TorchRec's own shard_quant_model builds its planner's topology directly, and its planner
+    # then warns that a topology should come from its factory; the FBGEMM modules it builds log
+    # their feature gates on the root logger.
+    with _propagate_device(), quieter("", "torchrec.distributed.planner.types"):
         sharded, _plan = shard_quant_model(
             model,
             world_size=spec.sharding.world_size,

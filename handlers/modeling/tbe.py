@@ -26,7 +26,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-import fbgemm_gpu  # noqa: F401  isort: skip  registers the TBE operators
+from handlers.runtime import fbgemm_ops  # noqa: F401  the TBE operators
+from handlers.runtime.quiet import quieter
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode  # isort: skip
 from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (  # isort: skip
     IntNBitTableBatchedEmbeddingBagsCodegen as TBE,
@@ -53,7 +54,8 @@ def deferred_tbe_weights() -> Iterator[None]:
         tbe.weights_dev = torch.empty(tbe.dev_size, dtype=torch.uint8, device="meta")
         tbe.weight_initialized = True
 
-    with _DEFERRAL:
+    # Each TBE also logs its feature gates (a line of ~10 flags) on the root logger as it is built.
+    with _DEFERRAL, quieter(""):
         original = TBE.initialize_weights
         TBE.initialize_weights = on_meta
         try:

@@ -116,3 +116,37 @@ def test_verify_checks_an_archive_against_the_weights_it_came_from(tmp_path, cap
     out, err = capsys.readouterr()
     assert "FAILED: AUC drop" in out  # untrained weights score near 0.5, but rank differently
     assert err.strip().startswith("torchrec-serve verify: error:") and "Traceback" not in err
+
+
+def test_the_build_prints_every_tables_dtype_and_marks_defaults(tmp_path, capsys):
+    assert build(["--spec", "tiny", "--model-store", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "spec tiny (dlrm): 4 dense features, 5 sparse features in 4 tables" in err
+    user = next(line for line in err.splitlines() if line.strip().startswith("t_user"))
+    assert user.split()[:6] == ["t_user", "1,000", "8", "int8", "sum", "(default)"]
+    assert "dense precision: fp32 (default)" in err
+
+
+def test_the_build_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["build", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: eager)", "(default: 32)", "(default: 5)", "(default: 0.02)", "(default: 0.001)"):
+        assert default in out, default
+
+
+def test_a_bad_validation_file_is_exit_code_5_naming_the_line(tmp_path, capsys):
+    (tmp_path / "eval.jsonl").write_text('{"dense": [0, 0, 0, 0], "label": 1}\n{"dense": [0], "label": 0}\n')
+    code = build(["--spec", "tiny", "--model-store", str(tmp_path), "--validation", str(tmp_path / "eval.jsonl")])
+    assert code == 5
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (
+        f"torchrec-serve build: error: {tmp_path / 'eval.jsonl'}:2: items[0].dense: must hold 4 numbers, got 1"
+    )
+
+
+def test_a_checkpoint_that_does_not_match_is_exit_code_4_with_the_fix(tmp_path, capsys):
+    torch.save({"dense_arch.weight": torch.zeros(2)}, tmp_path / "other.pt")
+    assert build(["--spec", "tiny", "--checkpoint", str(tmp_path / "other.pt"), "--model-store", str(tmp_path)]) == 4
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "checkpoint does not match the spec" in last and "checkpoint_mapping.prefixes" in last

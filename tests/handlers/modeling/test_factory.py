@@ -98,18 +98,27 @@ def test_weights_round_trip_through_file(tiny_spec, tiny_weights, tmp_path):
     )
 
 
-def test_dlrm_train_checkpoint_loads_through_mapping(tiny_spec, tiny_float_model, tmp_path):
-    """TorchRec's training wrapper ``DLRMTrain`` keeps the model under ``model.``; the mapping
-    strips it, and every trained tensor arrives."""
+@pytest.mark.parametrize("mapping", [None, {"model.": ""}], ids=["detected", "mapped"])
+def test_dlrm_train_checkpoint_loads(tiny_spec, tiny_float_model, tmp_path, mapping):
+    """TorchRec's training wrapper ``DLRMTrain`` keeps the model under ``model.``: detected and
+    stripped without a mapping, or stripped by the spec's; every trained tensor arrives."""
     checkpoint = DLRMTrain(copy.deepcopy(tiny_float_model)).state_dict()
     assert all(k.startswith("model.") for k in checkpoint)
     torch.save({"state_dict": checkpoint}, tmp_path / "ckpt.pt")
-    spec = _with_mapping(tiny_spec, {"model.": ""})
+    spec = _with_mapping(tiny_spec, mapping) if mapping else tiny_spec
     factory = DLRMFactory(spec)
     model = factory.float_model(seed=99)
-    factory.load_checkpoint(model, read_checkpoint(tmp_path / "ckpt.pt"))
+    note = factory.load_checkpoint(model, read_checkpoint(tmp_path / "ckpt.pt"))
+    assert note == (None if mapping else "stripped the prefix 'model.' of TorchRec's DLRMTrain's wrapper")
     for key, value in tiny_float_model.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_a_prefix_that_leaves_names_unmatched_is_not_stripped(tiny_spec, tiny_float_model):
+    checkpoint = {f"module.{k}": v for k, v in tiny_float_model.state_dict().items()}
+    checkpoint["module.extra.bias"] = torch.zeros(1)
+    with pytest.raises(CheckpointError, match="unexpected: module.dense_arch"):
+        DLRMFactory(tiny_spec).load_checkpoint(DLRMFactory(tiny_spec).float_model(seed=0), checkpoint)
 
 
 def test_checkpoint_with_renamed_table_loads_through_mapping(tiny_spec, tiny_float_model):
