@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The inference and management APIs with curl, against a TorchServe started from the repo root:
-#   .venv/bin/python -m archive_tools.build --spec config/models/criteo.yaml --seed 0
-#   .venv/bin/python -m archive_tools.build --spec config/models/criteo.yaml --seed 1 \
-#       --version 2.0 --model-store /tmp/criteo-v2 && cp /tmp/criteo-v2/criteo.mar model_store/criteo_v2.mar
+#   .venv/bin/torchrec-serve build --spec criteo --seed 0
+#   .venv/bin/torchrec-serve build --spec criteo --seed 1 --version 2.0 --model-store /tmp/criteo-v2 \
+#       && cp /tmp/criteo-v2/criteo.mar model_store/criteo_v2.mar
 #   .venv/bin/torchserve --start --ncs --ts-config config/config.properties --model-store model_store
 # then: bash examples/curl_walkthrough.sh      (stop with: .venv/bin/torchserve --stop)
 set -euo pipefail
@@ -24,6 +24,12 @@ curl -s "${M[@]}" "$MGMT/models/criteo"
 step "score one item, then 100 candidates"
 curl -s "${I[@]}" --data @examples/requests/one_item.json "$INF/predictions/criteo"
 curl -s "${I[@]}" --data @examples/requests/candidates_100.json "$INF/predictions/criteo" | head -c 200; echo
+
+step "the same item in the KServe v2 / Open Inference Protocol form"
+curl -s "${I[@]}" --data @examples/kserve_v2/one_item.json "$INF/v2/models/criteo/infer"; echo
+
+step "what the worker runs (its describe answer)"
+curl -s "${M[@]}" "$MGMT/models/criteo?customized=true"
 
 step "scale to 2 workers"
 curl -s "${M[@]}" -X PUT "$MGMT/models/criteo?min_worker=2&max_worker=2&synchronous=true"

@@ -1,4 +1,5 @@
-"""Regenerates the example request files in examples/requests/ from the Criteo-shaped spec.
+"""Regenerates the example request files in examples/requests/ (and the KServe v2 form of one of
+them in examples/kserve_v2/) from the Criteo-shaped spec.
 
     .venv/bin/python examples/make_requests.py
 """
@@ -33,17 +34,33 @@ def candidates_request(spec, num_candidates: int, seed: int, max_bag: int = 3) -
     return {"items": items}
 
 
+def as_kserve_v2(spec, request: dict) -> dict:
+    """The items-form ``request`` as a KServe v2 / Open Inference Protocol body."""
+    items, features = request["items"], spec.feature_names
+    values = [i for f in features for item in items for i in item["sparse"].get(f, [])]
+    return {
+        "inputs": [
+            {"name": "dense_features", "datatype": "FP32", "shape": [len(items), spec.dense_features],
+             "data": [x for item in items for x in item["dense"]]},
+            {"name": "sparse_features.lengths", "datatype": "INT64", "shape": [len(features), len(items)],
+             "data": [len(item["sparse"].get(f, [])) for f in features for item in items]},
+            {"name": "sparse_features.values", "datatype": "INT64", "shape": [len(values)], "data": values},
+        ]
+    }
+
+
 def main() -> None:
     spec = load_spec(SPEC)
-    out = HERE / "requests"
-    out.mkdir(exist_ok=True)
+    one_item = synthetic_request(spec, 1, seed=1)
     files = {
-        "one_item.json": synthetic_request(spec, 1, seed=1),
-        "candidates_100.json": candidates_request(spec, 100, seed=2),
+        HERE / "requests" / "one_item.json": one_item,
+        HERE / "requests" / "candidates_100.json": candidates_request(spec, 100, seed=2),
+        HERE / "kserve_v2" / "one_item.json": as_kserve_v2(spec, one_item),
     }
-    for name, request in files.items():
-        (out / name).write_bytes(orjson.dumps(request) + b"\n")
-        print(f"wrote {out / name}")
+    for path, request in files.items():
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(orjson.dumps(request) + b"\n")
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -62,9 +62,11 @@ def test_torchserve_dlrm_example_request_shape(server, store, tmp_path):
     """One item as TorchServe's example client sends it: 13 flat floats, 26 bags of one id each
     (Criteo 1TB ids); answered with our scores and the example's "default" logits."""
     body = {
-        "float_features": [0.02, 0.2, -1.3, -0.7, 0.07, 0.59, 1.3, -0.62, 1.4, -1.16, -0.19, 0.86, -0.24],
+        "float_features": [0.3, -1.1, 0.8, 0.05, -0.4, 1.7, 0.2, -0.9, 0.6, 1.2, -0.3, 0.0, 0.45],
         "id_list_features.lengths": [1] * 26,
-        "id_list_features.values": [45_821_459 - 1_700_003 * k for k in range(26)],
+        "id_list_features.values": [38120577, 20315, 1093, 55, 9871, 1, 4410, 872, 12, 21873099,
+                                    1009931, 288001, 7, 1544, 10227, 99, 2, 611, 9, 40110244,
+                                    7718280, 33567012, 301777, 11002, 57, 19],
     }
     response = server.predict("criteo_small", body)
     assert response.status_code == 200, response.text
