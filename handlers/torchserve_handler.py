@@ -28,6 +28,8 @@ from handlers import torchserve_metrics
 from handlers.loading import load_service
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.service import ScoringService
+from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH
+from handlers.runtime.wire.messages import BinaryBody
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +69,30 @@ class DLRMHandler:
         assert self.service is not None, "initialize() was not called"
         if context.get_request_header(0, "describe") == "True":  # GET /models/NAME?customized=true
             return [orjson.dumps(self.description)]
-        payloads = [row.get("body", row.get("data")) for row in data]
+        payloads = [_payload(row, context, index) for index, row in enumerate(data)]
         handled = self.service.handle(payloads)
         torchserve_metrics.publish(context, len(data), handled.stats)
         for index, response in enumerate(handled.responses):
             context.set_response_status(response.status, "", idx=index)
             context.set_response_content_type(index, response.content_type)
+            for name, value in response.headers.items():
+                context.set_response_header(index, name, value)
         return [r.body for r in handled.responses]
+
+
+def _payload(row: dict[str, Any], context: Any, index: int) -> Any:
+    """One request's body as TorchServe hands it over: REST puts it under ``body`` with the HTTP
+    headers beside it; gRPC puts each entry of ``PredictionsRequest.input`` under its own key. A
+    KServe v2 binary body comes with its JSON header's length (``Inference-Header-Content-Length``:
+    a header on REST, an input entry on gRPC)."""
+    body = row.get("body", row.get("data"))
+    length = row.get(HEADER_LENGTH) or context.get_request_header(index, HEADER_LENGTH)
+    if length is None:
+        length = context.get_request_header(index, HEADER_LENGTH.lower())
+    if length is None or not isinstance(body, (bytes, bytearray)):
+        return body
+    try:
+        json_length = int(length)
+    except ValueError:
+        json_length = -1  # refused, naming the header, by the decoder
+    return BinaryBody(body, json_length)

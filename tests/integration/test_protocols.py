@@ -119,7 +119,9 @@ def test_kserve_v2_requests_are_batched_and_score_as_json(server, tiny_spec, tin
     assert answer.json() == {"error": "inputs[0] (dense_features).shape: must be [n, 4], got [1, 9]"}
 
 
-def test_tritons_standard_v2_client_works_unchanged(server, tiny_spec, tiny_reference):
+@pytest.mark.parametrize("binary", [True, False], ids=["binary tensors", "json tensors"])
+def test_tritons_standard_v2_client_works_unchanged(server, tiny_spec, tiny_reference, binary):
+    """Triton's HTTP client, as it comes: binary tensors both ways by default, or JSON."""
     request = items_request(tiny_spec, 6, seed=77, max_bag=3)
     v2 = _v2_body(tiny_spec, request)["inputs"]
     client = triton.InferenceServerClient(server.inference_url.removeprefix("http://"))
@@ -127,9 +129,9 @@ def test_tritons_standard_v2_client_works_unchanged(server, tiny_spec, tiny_refe
     for tensor, dtype in zip(v2, (np.float32, np.int64, np.int64)):
         array = np.asarray(tensor["data"], dtype=dtype).reshape(tensor["shape"])
         triton_input = triton.InferInput(tensor["name"], list(array.shape), tensor["datatype"])
-        triton_input.set_data_from_numpy(array, binary_data=False)
+        triton_input.set_data_from_numpy(array, binary_data=binary)
         inputs.append(triton_input)
-    outputs = [triton.InferRequestedOutput(name, binary_data=False) for name in ("scores", "logits")]
+    outputs = [triton.InferRequestedOutput(name, binary_data=binary) for name in ("scores", "logits")]
     result = client.infer("tiny", inputs, outputs=outputs, headers=server.auth("inference"))
     scores = result.as_numpy("scores")
     assert scores.shape == (6,)

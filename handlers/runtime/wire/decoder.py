@@ -4,7 +4,8 @@ answer), whatever the wire form. The body's keys say which form it is:
 * ``items``: the project's items form (``json_items``);
 * ``float_features``: TorchRec's columnar form, as TorchServe's DLRM example sends it
   (``json_columnar``), answered with its ``"default"`` logits as well;
-* ``inputs``: the KServe v2 / Open Inference Protocol form (``kserve_v2``), answered in v2 form.
+* ``inputs``: the KServe v2 / Open Inference Protocol form (``kserve_v2``), answered in v2 form;
+  a ``BinaryBody`` is one with binary tensors after its JSON header.
 
 The JSON forms also take ``"context": [C floats]`` once per request for a model with a context
 input, and ``"return_logits": true``. Anything else is refused with a ``BadRequest`` naming the
@@ -23,8 +24,8 @@ from handlers.runtime.validation import RequestChecks
 from handlers.runtime.wire.json_columnar import DENSE_KEY, ColumnarDecoder
 from handlers.runtime.wire.json_items import ItemsDecoder
 from handlers.runtime.wire.json_values import float_rows, json_type, parse_json, reject_unknown
-from handlers.runtime.wire.kserve_v2 import V2Decoder
-from handlers.runtime.wire.messages import DecodedRequest, JsonEncoder, Rejected
+from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH, V2Decoder
+from handlers.runtime.wire.messages import BinaryBody, DecodedRequest, JsonEncoder, Rejected
 
 CONTEXT_KEY = "context"
 RETURN_LOGITS_KEY = "return_logits"
@@ -45,16 +46,22 @@ class RequestDecoder:
         self._items_keys = frozenset({"items"} | shared)
         self._columnar_keys = self._columnar.keys | shared
 
-    def decode(self, payload: bytes | bytearray | str | dict | list | None) -> DecodedRequest:
+    def decode(self, payload: BinaryBody | bytes | bytearray | str | dict | list | None) -> DecodedRequest:
         """Raises ``Rejected`` (the error and its answer) for a request it refuses."""
         encoder: Any = JsonEncoder()
         try:
+            binary = None
+            if isinstance(payload, BinaryBody):  # only v2 has binary tensors: answer in v2
+                encoder = self._v2.encoder({})
+                payload, binary = _split_binary(payload)
             body = parse_json(payload)
             if not isinstance(body, dict):
                 raise BadRequest("body", f"must be a JSON object, got {json_type(body)}", "malformed_body")
             if V2_KEY in body:
                 encoder = self._v2.encoder(body)
-                return self._v2.decode(body)
+                return self._v2.decode(body, binary)
+            if binary is not None:
+                raise BadRequest(V2_KEY, "a body with binary tensors is a KServe v2 request", "missing_field")
             return self._decode_json(body)
         except ServingError as error:
             raise Rejected(error, encoder) from None
@@ -90,3 +97,15 @@ class RequestDecoder:
         if row is None:
             raise BadRequest(CONTEXT_KEY, f"required: a list of {width} numbers", "missing_field")
         return torch.from_numpy(float_rows([row], width, lambda _: CONTEXT_KEY))
+
+
+def _split_binary(body: BinaryBody) -> tuple[memoryview, memoryview]:
+    """(the JSON header, the binary tensors after it), both views into the body."""
+    data = memoryview(body.data)
+    if not 0 < body.json_length <= len(data):
+        raise BadRequest(
+            HEADER_LENGTH,
+            f"must be the JSON header's length, 1 to the body's {len(data)} bytes, got {body.json_length}",
+            "malformed_body",
+        )
+    return data[: body.json_length], data[body.json_length :]

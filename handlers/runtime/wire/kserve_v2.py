@@ -1,5 +1,6 @@
 """The KServe v2 / Open Inference Protocol request, as KServe's and Triton's clients send it to
-``POST /v2/models/{name}/infer`` (TorchServe routes it to the handler unchanged).
+``POST /v2/models/{name}/infer`` (TorchServe routes it to the handler unchanged), in JSON or with
+the binary tensor extension.
 
 The model's inputs are named tensors, laid out as the batch tags lay them out (``F`` features,
 ``n`` items)::
@@ -14,7 +15,17 @@ The model's inputs are named tensors, laid out as the batch tags lay them out (`
      "outputs": [{"name": "scores"}, {"name": "logits"}]}   # optional; default: scores
 
 ``weights`` only for a model with weighted ids (optional: 1), ``context_features`` only for a model
-with a context input. ``data`` is row-major, flat or nested. The answer::
+with a context input. JSON ``data`` is row-major, flat or nested.
+
+**Binary tensors** (the v2 binary extension, what Triton's clients send by default): the body is
+the JSON header followed by the tensors' bytes, little-endian, row-major; the header's length
+comes in the ``Inference-Header-Content-Length`` HTTP header, and a binary tensor has
+``"parameters": {"binary_data_size": <bytes>}`` instead of ``data``. The tensors' bytes are read
+where they lie in the body, not copied. An output asked for with ``"parameters": {"binary_data":
+true}`` (or every output, with the request's ``"parameters": {"binary_data_output": true}``)
+comes back the same way.
+
+The answer::
 
     {"model_name": "criteo", "id": "r1",
      "outputs": [{"name": "scores", "datatype": "FP32", "shape": [n], "data": [...]}]}
@@ -39,38 +50,69 @@ from handlers.runtime.validation import RequestChecks, bag_position
 from handlers.runtime.wire.json_values import finite_float32s, int_array, json_type, reject_unknown
 from handlers.runtime.wire.messages import DecodedRequest, DecodedRows, Response
 
-FLOAT_TYPES = frozenset({"FP16", "FP32", "FP64"})
-INT_TYPES = frozenset({"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"})
+HEADER_LENGTH = "Inference-Header-Content-Length"
+BINARY = "application/octet-stream"
+# v2 datatypes this model's inputs may come in, as little-endian numpy dtypes
+FLOAT_TYPES = {"FP16": "<f2", "FP32": "<f4", "FP64": "<f8"}
+INT_TYPES = {
+    "INT8": "i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8",
+    "UINT8": "u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8",
+}
 OUTPUTS = ("scores", "logits")
 _REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
 _TENSOR_KEYS = frozenset({"name", "shape", "datatype", "parameters", "data"})
+_OUTPUT_KEYS = frozenset({"name", "parameters"})
 
 
 @dataclasses.dataclass(frozen=True)
 class V2Encoder:
-    """Answers in the v2 form: the requested outputs as FP32 tensors of shape [n]."""
+    """Answers in the v2 form: each requested output an FP32 tensor of shape [n], as JSON data or,
+    for those in ``binary``, as bytes after the JSON header."""
 
     model_name: str
     request_id: str | None = None
     outputs: tuple[str, ...] = ("scores",)
+    binary: frozenset[str] = frozenset()
 
     def scores(self, logits: torch.Tensor) -> Response:
         values = {"scores": torch.sigmoid(logits), "logits": logits}
-        body: dict[str, Any] = {"model_name": self.model_name}
+        header: dict[str, Any] = {"model_name": self.model_name}
         if self.request_id is not None:
-            body["id"] = self.request_id
-        body["outputs"] = [
-            {"name": name, "datatype": "FP32", "shape": [len(logits)], "data": values[name].tolist()}
-            for name in self.outputs
-        ]
-        return Response(200, orjson.dumps(body))
+            header["id"] = self.request_id
+        tensors, blobs = [], []
+        for name in self.outputs:
+            tensor: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": [len(logits)]}
+            if name in self.binary:
+                blob = values[name].numpy().astype("<f4", copy=False).tobytes()
+                tensor["parameters"] = {"binary_data_size": len(blob)}
+                blobs.append(blob)
+            else:
+                tensor["data"] = values[name].tolist()
+            tensors.append(tensor)
+        header["outputs"] = tensors
+        body = orjson.dumps(header)
+        if not blobs:
+            return Response(200, body)
+        return Response(200, body + b"".join(blobs), BINARY, {HEADER_LENGTH: str(len(body))})
 
     def error(self, error: ServingError) -> Response:
         return Response(error.status, orjson.dumps({"error": error.message}))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One named input as sent: its field path for errors, and JSON ``data`` or its ``raw`` bytes."""
+
+    field: str
+    datatype: Any
+    shape: Any
+    data: Any
+    raw: memoryview | None
+
+
 class V2Decoder:
-    """A parsed v2 request body -> the request's inputs, answered by a ``V2Encoder``."""
+    """A parsed v2 request (its JSON header, and the bytes after it for binary tensors) -> the
+    request's inputs, answered by a ``V2Encoder``."""
 
     def __init__(self, schema: InputSchema, checks: RequestChecks, model_name: str) -> None:
         self.schema = schema
@@ -92,27 +134,31 @@ class V2Decoder:
         request_id = body.get("id")
         return V2Encoder(self.model_name, request_id if isinstance(request_id, str) else None)
 
-    def decode(self, body: dict) -> DecodedRequest:
+    def decode(self, body: dict, binary: memoryview | None = None) -> DecodedRequest:
         reject_unknown(body, _REQUEST_KEYS, "")
         request_id = body.get("id")
         if request_id is not None and not isinstance(request_id, str):
             raise BadRequest("id", f"must be a string, got {json_type(request_id)}")
-        tensors = self._tensors(body.get("inputs"))
+        parameters = _parameters(body, "parameters")
+        tensors = self._tensors(body.get("inputs"), binary)
         rows = self._rows(tensors)
         inputs: dict[str, Any] = {self.schema.rows.name: rows.dense, self.schema.jagged.name: rows.ids}
         if self.schema.context is not None:
-            context = self._floats(tensors, "context", (1, self.schema.context_features))
+            context = self._array(tensors, "context", FLOAT_TYPES, (1, self.schema.context_features))
             inputs[self.schema.context.name] = torch.from_numpy(context)
-        encoder = V2Encoder(self.model_name, request_id, self._outputs(body.get("outputs")))
+        outputs, binary_outputs = self._outputs(body.get("outputs"), parameters.get("binary_data_output"))
+        encoder = V2Encoder(self.model_name, request_id, outputs, binary_outputs)
         return DecodedRequest(RequestInputs(rows.dense.shape[0], inputs), encoder, rows.hashed_ids)
 
     # -- the named tensors ------------------------------------------------------------------------
 
-    def _tensors(self, raw: Any) -> dict[str, tuple[str, dict]]:
-        """``inputs`` -> {name: (its field path, the tensor)}, each checked for its own keys."""
+    def _tensors(self, raw: Any, binary: memoryview | None) -> dict[str, _Tensor]:
+        """``inputs`` -> {name: tensor}, each checked for its own keys; binary tensors take their
+        bytes from ``binary`` in order, which they must use up exactly."""
         if not isinstance(raw, list) or not raw:
             raise BadRequest("inputs", "must be a non-empty list of tensors", "missing_field")
-        tensors: dict[str, tuple[str, dict]] = {}
+        tensors: dict[str, _Tensor] = {}
+        offset = 0
         for i, tensor in enumerate(raw):
             field = f"inputs[{i}]"
             if not isinstance(tensor, dict):
@@ -127,99 +173,167 @@ class V2Decoder:
                 )
             if name in tensors:
                 raise BadRequest(f"{field}.name", f"input {name!r} is given twice")
-            for key in ("shape", "datatype", "data"):
+            field = f"{field} ({name})"
+            for key in ("shape", "datatype"):
                 if key not in tensor:
                     raise BadRequest(f"{field}.{key}", "required", "missing_field")
-            tensors[name] = (f"{field} ({name})", tensor)
+            size = _parameters(tensor, f"{field}.parameters").get("binary_data_size")
+            piece = None
+            if size is not None:
+                if "data" in tensor:
+                    raise BadRequest(f"{field}.data", "a binary tensor (binary_data_size) has no data")
+                if binary is None:
+                    raise BadRequest(
+                        f"{field}.parameters.binary_data_size",
+                        f"binary data needs the {HEADER_LENGTH} header (the JSON header's length)",
+                        "malformed_body",
+                    )
+                if type(size) is not int or size < 0 or offset + size > len(binary):
+                    raise BadRequest(
+                        f"{field}.parameters.binary_data_size",
+                        f"{size!r} bytes from byte {offset} of {len(binary)} after the header: the "
+                        "body is shorter than the header says",
+                        "malformed_body",
+                    )
+                piece, offset = binary[offset : offset + size], offset + size
+            elif "data" not in tensor:
+                raise BadRequest(f"{field}.data", "required (or binary_data_size)", "missing_field")
+            tensors[name] = _Tensor(field, tensor["datatype"], tensor["shape"], tensor.get("data"), piece)
+        if binary is not None and offset != len(binary):
+            raise BadRequest(
+                "body",
+                f"{len(binary) - offset} bytes after the binary tensors: the header's "
+                f"binary_data_size add up to {offset} of {len(binary)}",
+                "malformed_body",
+            )
         for key in ("dense", "lengths", "values", "context"):
             name = self.names[key]
             if name is not None and name not in tensors:
                 raise BadRequest("inputs", f"input {name!r} is required", "missing_field")
         return tensors
 
-    def _rows(self, tensors: dict[str, tuple[str, dict]]) -> DecodedRows:
-        num_features = len(self.schema.features)
-        values_field, values_tensor = tensors[self.names["values"]]
-        dense = self._floats(tensors, "dense", (None, self.schema.dense_features))
+    def _rows(self, tensors: dict[str, _Tensor]) -> DecodedRows:
+        dense = self._array(tensors, "dense", FLOAT_TYPES, (None, self.schema.dense_features))
         num_items = dense.shape[0]
-        self.checks.item_count(tensors[self.names["dense"]][0], num_items)
-        lengths = self._ints(tensors, "lengths", (num_features, num_items))
+        self.checks.item_count(tensors[self.names["dense"]].field, num_items)
+        lengths = self._array(tensors, "lengths", INT_TYPES, (len(self.schema.features), num_items))
         if (lengths < 0).any():
-            raise BadRequest(tensors[self.names["lengths"]][0], "lengths must be >= 0")
-        flat_values = self._flat(values_field, values_tensor, INT_TYPES)
-        self._check_shape(values_field, values_tensor, flat_values, (int(lengths.sum()),))
+            raise BadRequest(tensors[self.names["lengths"]].field, "lengths must be >= 0")
+        values = tensors[self.names["values"]]
         names = self.schema.feature_names
 
         def field_of(f: int, i: int, j: int | None) -> str:
             spot = f"feature {names[f]}, item {i}" + ("" if j is None else f", id {j}")
-            return f"{values_field} ({spot})"
+            return f"{values.field} ({spot})"
 
-        ids = int_array(flat_values, lambda k: field_of(*bag_position(lengths, k)))
+        ids = self._array(
+            tensors, "values", INT_TYPES, (int(lengths.sum()),),
+            lambda k: field_of(*bag_position(lengths, k)),
+        )
         ids, hashed = self.checks.ids(ids, lengths, field_of)
         weights = None
         if self.schema.weighted_ids:
             weights = (
-                self._floats(tensors, "weights", (len(ids),))
+                self._array(tensors, "weights", FLOAT_TYPES, (len(ids),))
                 if self.names["weights"] in tensors
                 else np.ones(len(ids), dtype=np.float32)
             )
         return DecodedRows.from_arrays(dense, lengths, ids, weights, hashed)
 
-    def _floats(self, tensors: dict, key: str, shape: tuple[int | None, ...]) -> np.ndarray:
-        field, tensor = tensors[self.names[key]]
-        flat = self._flat(field, tensor, FLOAT_TYPES | INT_TYPES)
-        values = finite_float32s(flat, lambda k: f"{field}.data[{k}]")
-        return values.reshape(self._check_shape(field, tensor, flat, shape))
-
-    def _ints(self, tensors: dict, key: str, shape: tuple[int | None, ...]) -> np.ndarray:
-        field, tensor = tensors[self.names[key]]
-        flat = self._flat(field, tensor, INT_TYPES)
-        values = int_array(flat, lambda k: f"{field}.data[{k}]")
-        return values.reshape(self._check_shape(field, tensor, flat, shape))
-
-    @staticmethod
-    def _flat(field: str, tensor: dict, datatypes: frozenset[str]) -> list:
-        datatype = tensor["datatype"]
-        if datatype not in datatypes:
-            raise BadRequest(f"{field}.datatype", f"must be one of {sorted(datatypes)}, got {datatype!r}")
-        data = tensor["data"]
-        if not isinstance(data, list):
-            raise BadRequest(f"{field}.data", f"must be a list, got {json_type(data)}")
-        while data and isinstance(data[0], list):  # nested, row-major
-            if not all(isinstance(row, list) for row in data):
-                raise BadRequest(f"{field}.data", "nested rows must all be lists")
-            data = list(itertools.chain.from_iterable(data))
-        return data
-
-    @staticmethod
-    def _check_shape(
-        field: str, tensor: dict, flat: list, expected: tuple[int | None, ...]
-    ) -> tuple[int, ...]:
-        """The tensor's declared shape, checked against ``expected`` (None: any size) and against
-        the number of values it holds."""
-        shape = tensor["shape"]
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise BadRequest(f"{field}.shape", f"must be a list of sizes, got {shape!r}")
-        if len(shape) != len(expected) or any(e is not None and d != e for d, e in zip(shape, expected)):
-            wanted = "[" + ", ".join("n" if e is None else str(e) for e in expected) + "]"
-            raise BadRequest(f"{field}.shape", f"must be {wanted}, got {shape}")
-        if math.prod(shape) != len(flat):
+    def _array(
+        self,
+        tensors: dict[str, _Tensor],
+        key: str,
+        datatypes: dict[str, str],
+        expected: tuple[int | None, ...],
+        locate: Any = None,
+    ) -> np.ndarray:
+        """The tensor as float32 (``FLOAT_TYPES``) or int64 (``INT_TYPES``) of its declared shape,
+        checked against ``expected`` (None: any size, at least one)."""
+        tensor = tensors[self.names[key]]
+        field = tensor.field
+        floats = datatypes is FLOAT_TYPES
+        allowed = {**FLOAT_TYPES, **INT_TYPES} if floats else INT_TYPES  # ints are numbers too
+        if tensor.datatype not in allowed:
+            raise BadRequest(f"{field}.datatype", f"must be one of {sorted(allowed)}, got {tensor.datatype!r}")
+        shape = _shape(field, tensor.shape, expected)
+        count = math.prod(shape)
+        locate = locate or (lambda k: f"{field}.data[{k}]")
+        if tensor.raw is None:
+            flat = _flatten(field, tensor.data)
+            if len(flat) != count:
+                raise BadRequest(f"{field}.data", f"shape {list(shape)} needs {count} values, got {len(flat)}")
+            values = finite_float32s(flat, locate) if floats else int_array(flat, locate)
+            return values.reshape(shape)
+        dtype = np.dtype(allowed[tensor.datatype])
+        if len(tensor.raw) != count * dtype.itemsize:
             raise BadRequest(
-                f"{field}.data", f"shape {shape} needs {math.prod(shape)} values, got {len(flat)}"
+                f"{field}.parameters.binary_data_size",
+                f"shape {list(shape)} of {tensor.datatype} needs {count * dtype.itemsize} bytes, "
+                f"got {len(tensor.raw)}",
+                "malformed_body",
             )
-        if expected[0] is None and shape[0] == 0:
-            raise BadRequest(f"{field}.shape", "must hold at least one item")
-        return tuple(shape)
+        values = np.frombuffer(tensor.raw, dtype=dtype).reshape(shape)
+        if floats:
+            values = values.astype(np.float32, copy=False)
+            if not np.isfinite(values).all():
+                k = int(np.argmax(~np.isfinite(values.reshape(-1))))
+                raise BadRequest(locate(k), f"must be finite in float32, got {values.reshape(-1)[k]}")
+            return values
+        if dtype == np.uint64 and (values > np.iinfo(np.int64).max).any():
+            k = int(np.argmax(values.reshape(-1) > np.iinfo(np.int64).max))
+            raise BadRequest(locate(k), f"integer {values.reshape(-1)[k]} is out of int64 range")
+        return values.astype(np.int64, copy=False)
 
-    def _outputs(self, raw: Any) -> tuple[str, ...]:
+    def _outputs(self, raw: Any, all_binary: Any) -> tuple[tuple[str, ...], frozenset[str]]:
+        if all_binary is not None and not isinstance(all_binary, bool):
+            raise BadRequest("parameters.binary_data_output", f"must be true or false, got {all_binary!r}")
         if raw is None:
-            return ("scores",)
+            return ("scores",), frozenset({"scores"} if all_binary else ())
         if not isinstance(raw, list) or not raw:
             raise BadRequest("outputs", "must be a non-empty list of {\"name\": ...}")
-        names = []
+        names, binary = [], set()
         for i, output in enumerate(raw):
-            name = output.get("name") if isinstance(output, dict) else None
+            if not isinstance(output, dict):
+                raise BadRequest(f"outputs[{i}]", f"must be an object, got {json_type(output)}")
+            reject_unknown(output, _OUTPUT_KEYS, f"outputs[{i}].")
+            name = output.get("name")
             if name not in OUTPUTS:
                 raise BadRequest(f"outputs[{i}].name", f"must be one of {list(OUTPUTS)}, got {name!r}")
+            wants = _parameters(output, f"outputs[{i}].parameters").get("binary_data", all_binary)
+            if wants is not None and not isinstance(wants, bool):
+                raise BadRequest(f"outputs[{i}].parameters.binary_data", f"must be true or false, got {wants!r}")
             names.append(name)
-        return tuple(names)
+            if wants:
+                binary.add(name)
+        return tuple(names), frozenset(binary)
+
+
+def _parameters(obj: dict, field: str) -> dict:
+    parameters = obj.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise BadRequest(field, f"must be an object, got {json_type(parameters)}")
+    return parameters
+
+
+def _shape(field: str, shape: Any, expected: tuple[int | None, ...]) -> tuple[int, ...]:
+    """The declared shape, checked against ``expected`` (None: any size, at least one)."""
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise BadRequest(f"{field}.shape", f"must be a list of sizes, got {shape!r}")
+    if len(shape) != len(expected) or any(e is not None and d != e for d, e in zip(shape, expected)):
+        wanted = "[" + ", ".join("n" if e is None else str(e) for e in expected) + "]"
+        raise BadRequest(f"{field}.shape", f"must be {wanted}, got {shape}")
+    if expected[0] is None and shape[0] == 0:
+        raise BadRequest(f"{field}.shape", "must hold at least one item")
+    return tuple(shape)
+
+
+def _flatten(field: str, data: Any) -> list:
+    """JSON ``data``, flat or nested row-major -> a flat list."""
+    if not isinstance(data, list):
+        raise BadRequest(f"{field}.data", f"must be a list, got {json_type(data)}")
+    while data and isinstance(data[0], list):
+        if not all(isinstance(row, list) for row in data):
+            raise BadRequest(f"{field}.data", "nested rows must all be lists")
+        data = list(itertools.chain.from_iterable(data))
+    return data

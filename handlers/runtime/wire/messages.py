@@ -17,6 +17,7 @@ import torch
 
 from handlers.runtime.errors import ServingError
 from handlers.runtime.inputs import JaggedIds, RequestInputs
+from handlers.runtime.quiet import quieter
 
 JSON = "application/json"
 
@@ -26,6 +27,16 @@ class Response:
     status: int
     body: bytes
     content_type: str = JSON
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class BinaryBody:
+    """A request body of a JSON header (its first ``json_length`` bytes) followed by binary
+    tensors: the KServe v2 binary extension."""
+
+    data: bytes | bytearray
+    json_length: int
 
 
 class Encoder(Protocol):
@@ -76,11 +87,11 @@ class DecodedRows:
         hashed_ids: int,
     ) -> "DecodedRows":
         jagged = JaggedIds(
-            lengths=torch.from_numpy(lengths),
-            values=torch.from_numpy(ids),
-            weights=None if weights is None else torch.from_numpy(weights),
+            lengths=_tensor(lengths),
+            values=_tensor(ids),
+            weights=None if weights is None else _tensor(weights),
         )
-        return cls(torch.from_numpy(dense), jagged, hashed_ids)
+        return cls(_tensor(dense), jagged, hashed_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,3 +114,12 @@ class Rejected(Exception):
 
     def response(self) -> Response:
         return self.encoder.error(self.error)
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """The array as a tensor sharing its memory. Binary request tensors are views of the request's
+    (read-only) bytes, which torch warns about; nothing downstream writes into a request's inputs."""
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    with quieter(warning_messages=("The given NumPy array is not writable",)):
+        return torch.from_numpy(array)
