@@ -35,9 +35,10 @@ from tqdm import tqdm
 
 import handlers
 from archive_tools.capture import capture, check_capturable
+from archive_tools.precision import compare_dense_precisions, suggestion_lines
 from archive_tools.summary import spec_summary
 from archive_tools.validation_data import read_validation
-from archive_tools.verification import Bounds, VerificationReport, generated_validation, verify
+from archive_tools.verification import Bounds, generated_validation, verify
 from handlers.loading import SPEC_FILE, load_service
 from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.eager import eager_service
@@ -48,7 +49,6 @@ from handlers.modeling.weights import InferenceWeights
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.inputs import INPUTS_FILE
 from handlers.runtime.options import HandlerOptions
-from handlers.runtime.service import ScoringService
 from handlers.runtime.split import SplitPlan
 
 HANDLERS_DIR = Path(handlers.__file__).resolve().parent  # the package every archive carries
@@ -62,8 +62,12 @@ class ServingConfig:
     batch_size: int = 32
     max_batch_delay_ms: int = 5
     workers: int = 1
-    intra_op_threads: int = 1
+    # Served on 2 cores beside TorchServe's frontend, a second thread pays from about 400 items
+    # per forward (`python -m benchmarks.threads`); smaller forwards run on one.
+    intra_op_threads: int = 2
+    parallel_from_items: int = 400
     response_timeout_s: int = 60
+    metrics_flush_s: float = 1.0
 
     def model_config(self, artifact: Artifact, weights_bytes: int, split: SplitPlan | None) -> dict:
         # Loading is dominated by reading the weights: allow a minute plus 30 s per GB.
@@ -75,7 +79,9 @@ class ServingConfig:
             "maxBatchDelay": self.max_batch_delay_ms,
             "responseTimeout": self.response_timeout_s,
             "startupTimeout": startup_timeout_s,
-            "handler": HandlerOptions(artifact, split, self.intra_op_threads).to_mapping(),
+            "handler": HandlerOptions(
+                artifact, split, self.intra_op_threads, self.parallel_from_items, self.metrics_flush_s
+            ).to_mapping(),
         }
 
 
@@ -101,9 +107,11 @@ def build_archive(
     archive_format: str = "default",
     artifact: Artifact = Artifact.EAGER,
     split: SplitPlan | None = None,
+    compare_precisions: bool = False,
 ) -> Path:
     """Runs every stage and returns the path of the written ``.mar`` (or folder, for
-    ``no-archive``); raises if verification fails. ``split``: the parts of a ``split`` artifact."""
+    ``no-archive``); raises if verification fails. ``split``: the parts of a ``split`` artifact;
+    ``compare_precisions``: also time and check every dense precision, and suggest one."""
     if quantized_init and checkpoint is not None:
         raise ValueError("quantized_init creates random tables; it cannot start from a checkpoint")
     if artifact == Artifact.SPLIT:
@@ -151,16 +159,28 @@ def build_archive(
             config = serving.model_config(artifact, weights_bytes, split)
             config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
+            reference_service = eager_service(spec, reference)
+            data = (
+                read_validation(validation, spec)
+                if validation is not None
+                else generated_validation(spec, reference_service, 64, 16, seed)
+            )
+            if compare_precisions:
+                stages.set_postfix_str("dense precisions")
+                tables = factory.load_weights(staging / "weights.pt")
+                rows = compare_dense_precisions(spec, tables, reference_service, data, bounds)
+                for line in suggestion_lines(rows):
+                    tqdm.write(line, file=sys.stderr)
+
             stages.set_postfix_str(f"capture ({artifact.value})")
             if artifact != Artifact.EAGER:
                 capture(staging, artifact, split)
             stages.update()
 
             stages.set_postfix_str("verify")
-            report = _verify_stage(
-                staging, spec, eager_service(spec, reference),
-                HandlerOptions(artifact, _verifiable(split)), validation, bounds, seed,
-            )
+            # The artifact as the handler loads it, against the model it was made from.
+            served = load_service(staging, HandlerOptions(artifact, _verifiable(split)))
+            report = verify(served, reference_service, data, bounds)
             for line in report.lines("built" if quantized_init else "float"):
                 tqdm.write(line, file=sys.stderr)
             report_path = model_store / f"{name}.verification.json"
@@ -193,25 +213,6 @@ def _stage(staging: Path, spec: ModelSpec, factory: DLRMFactory, weights: Infere
     spec.to_yaml(staging / SPEC_FILE)
     input_schema(spec).save(staging / INPUTS_FILE)
     factory.save_weights(weights, staging / "weights.pt")
-
-
-def _verify_stage(
-    staging: Path,
-    spec: ModelSpec,
-    reference: ScoringService,
-    options: HandlerOptions,
-    validation: Path | None,
-    bounds: Bounds,
-    seed: int,
-) -> VerificationReport:
-    """The artifact, loaded as the handler loads it, against the model it was made from."""
-    served = load_service(staging, options)
-    data = (
-        read_validation(validation, spec)
-        if validation is not None
-        else generated_validation(spec, reference, 64, 16, seed)
-    )
-    return verify(served, reference, data, bounds)
 
 
 def _package(

@@ -92,6 +92,8 @@ def _build(args: argparse.Namespace) -> int:
             max_batch_delay_ms=args.max_batch_delay,
             workers=args.workers,
             intra_op_threads=args.intra_op_threads,
+            parallel_from_items=args.parallel_from_items,
+            metrics_flush_s=args.metrics_flush,
         ),
         bounds=_bounds(args),
         validation=args.validation,
@@ -99,6 +101,7 @@ def _build(args: argparse.Namespace) -> int:
         archive_format=args.archive_format,
         artifact=artifact,
         split=SplitPlan.from_options(given) if artifact == Artifact.SPLIT else None,
+        compare_precisions=args.compare_dense_precisions,
     )
     return 0
 
@@ -250,6 +253,11 @@ def _build_args(parser: argparse.ArgumentParser) -> None:
         default="default",
         help="default: a zipped NAME.mar; no-archive: a folder NAME/ (no compression, no unpacking)",
     )
+    parser.add_argument(
+        "--compare-dense-precisions", action="store_true",
+        help="also time every dense precision for the MLPs, check each against the float model, "
+        "and print the fastest that passes (for one item and for large batches)",
+    )
     parser.add_argument("--name", help="model name (default: the spec's name)")
     parser.add_argument("--version", default="1.0", help="model version")
     parser.add_argument(
@@ -266,7 +274,15 @@ def _build_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=ServingConfig.workers, help="workers per model")
     parser.add_argument(
         "--intra-op-threads", type=int, default=ServingConfig.intra_op_threads,
-        help="torch intra-op threads per worker",
+        help="torch intra-op threads for a large forward",
+    )
+    parser.add_argument(
+        "--parallel-from-items", type=int, default=ServingConfig.parallel_from_items,
+        help="a forward of fewer items runs on one thread (0: every forward on --intra-op-threads)",
+    )
+    parser.add_argument(
+        "--metrics-flush", type=float, default=ServingConfig.metrics_flush_s,
+        help="seconds between the worker's metric updates (0: every batch)",
     )
     _verification_args(parser)
 

@@ -16,8 +16,9 @@ in it: that quantizer adds a guard against batch 1, so such graphs are captured 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -101,11 +102,33 @@ def compile_aoti(program: torch.export.ExportedProgram, path: Path) -> Path:
         )
     state = {**program.state_dict, **program.constants}
     needed = torch._inductor.aoti_load_package(str(package)).get_constant_fqns()
-    missing = [name for name in needed if not isinstance(state.get(name), torch.Tensor)]
+    weights = {name: _constant(state, name) for name in needed}
+    missing = [name for name, tensor in weights.items() if tensor is None]
     if missing:
         raise RuntimeError(f"{package}: needs weights that the exported program lacks: {missing}")
-    torch.save({name: state[name] for name in needed}, aoti_weights_file(package))
+    torch.save(weights, aoti_weights_file(package))
     return package
+
+
+_FLATTENED = re.compile(r"^(?P<owner>.*)\.parametrizations\.(?P<attr>\w+)\.original(?P<index>\d+)$")
+
+
+def _constant(state: dict[str, Any], name: str) -> torch.Tensor | None:
+    """The package's constant ``name``, from the program's state. AOTInductor stores a tensor
+    subclass (TorchAO's int8 weights) as its inner tensors, named
+    ``<owner>.parametrizations.<attr>.original<i>`` after the i-th of ``__tensor_flatten__``'s
+    attributes; plain tensors keep their names."""
+    value = state.get(name)
+    if type(value) in (torch.Tensor, torch.nn.Parameter):
+        return value
+    match = _FLATTENED.match(name)
+    if match is None:
+        return None
+    wrapped = state.get(f"{match['owner']}.{match['attr']}")
+    if wrapped is None or not hasattr(wrapped, "__tensor_flatten__"):
+        return None
+    inner_names, _ = wrapped.__tensor_flatten__()
+    return getattr(wrapped, inner_names[int(match["index"])])
 
 
 @functools.cache

@@ -228,13 +228,30 @@ class LocalTorchServe:
             method, f"{self.management_url}{path}", headers=self.auth("management"), timeout=300, **kwargs
         )
 
+    def flush_metrics(self, model: str) -> None:
+        """Has the model's worker publish the counts it has summed (its describe call does)."""
+        self.management("GET", f"/models/{model}", params={"customized": "true"}).raise_for_status()
+
+    def scrape(self, model: str) -> str:
+        """The Prometheus metrics text, with ``model``'s worker's counts up to now: its counts are
+        flushed, then scraped until two scrapes 0.1 s apart agree (the frontend reads the worker's
+        metric lines on a thread of its own)."""
+        self.flush_metrics(model)
+        text = ""
+        for _ in range(20):
+            previous, text = text, requests.get(f"{self.metrics_url}/metrics", timeout=30).text
+            if text == previous:
+                break
+            time.sleep(0.1)
+        return text
+
     def handler_counters(self, model: str) -> HandlerCounters:
-        """Reads our handler's counters for ``model`` from the Prometheus metrics API."""
-        response = requests.get(f"{self.metrics_url}/metrics", timeout=30)
-        response.raise_for_status()
+        """Reads our handler's counters for ``model`` from the Prometheus metrics API, exact up
+        to now."""
+        text = self.scrape(model)
         batches: dict[int, int] = {}
         totals = {"HandlerForwards": 0, "HandlerForwardItems": 0}
-        for family in text_string_to_metric_families(response.text):
+        for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.labels.get("ModelName") != model:
                     continue

@@ -32,7 +32,8 @@ def load_service(
     was registered under (default: the spec's)."""
     model_dir = Path(model_dir)
     schema = InputSchema.from_file(model_dir / INPUTS_FILE)
-    return ScoringService(schema, load_runner(model_dir, schema, options, gpu_id), model_name)
+    runner = load_runner(model_dir, schema, options, gpu_id)
+    return ScoringService(schema, runner, model_name, threads_for=options.threads_for)
 
 
 def load_runner(

@@ -7,6 +7,8 @@ artifact that the ``handler`` section of ``model-config.yaml`` names, parsed int
 class entry point requires.
 
 Metrics: ``handlers.torchserve_metrics`` (per-stage times, batches, forwards, rejected requests).
+Threads: a forward of at least ``parallel_from_items`` items runs on ``intra_op_threads`` threads,
+a smaller one on one (``HandlerOptions.threads_for``).
 
 ``GET /models/NAME?customized=true`` (management API) answers with what each worker runs: its pid,
 artifact, device, load time, and whether TorchRec or TorchAO were imported.
@@ -24,12 +26,12 @@ from typing import Any
 import orjson
 import torch
 
-from handlers import torchserve_metrics
 from handlers.loading import load_service
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH
 from handlers.runtime.wire.messages import BinaryBody
+from handlers.torchserve_metrics import MetricsPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 class DLRMHandler:
     def __init__(self) -> None:
         self.service: ScoringService | None = None
+        self.metrics: MetricsPublisher | None = None
         self.description: dict[str, Any] = {}
 
     def initialize(self, context: Any) -> None:
@@ -44,8 +47,8 @@ class DLRMHandler:
         model_dir = Path(context.system_properties["model_dir"])
         gpu_id = context.system_properties.get("gpu_id")
         options = HandlerOptions.from_mapping((context.model_yaml_config or {}).get("handler"))
-        torch.set_num_threads(options.intra_op_threads)
         self.service = load_service(model_dir, options, gpu_id, model_name=context.model_name)
+        self.metrics = MetricsPublisher(options.metrics_flush_s)
         load_s = time.perf_counter() - started
         self.description = {
             "pid": os.getpid(),
@@ -68,10 +71,11 @@ class DLRMHandler:
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[bytes]:
         assert self.service is not None, "initialize() was not called"
         if context.get_request_header(0, "describe") == "True":  # GET /models/NAME?customized=true
+            self.metrics.flush(context)  # type: ignore[union-attr]  # so that a scrape now is exact
             return [orjson.dumps(self.description)]
         payloads = [_payload(row, context, index) for index, row in enumerate(data)]
         handled = self.service.handle(payloads)
-        torchserve_metrics.publish(context, len(data), handled.stats)
+        self.metrics.add(context, len(data), handled.stats)  # type: ignore[union-attr]
         for index, response in enumerate(handled.responses):
             context.set_response_status(response.status, "", idx=index)
             context.set_response_content_type(index, response.content_type)

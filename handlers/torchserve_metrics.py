@@ -1,47 +1,66 @@
 """The handler's metrics, published through TorchServe's metrics API (Prometheus, with
 ``model_metrics_auto_detect=true``); each carries ``ModelName`` and ``Level="Model"``.
 
-| name | type | unit | labels | what |
-|---|---|---|---|---|
-| ``HandlerBatches`` | counter | batches | ``Requests`` | TorchServe batches of k requests |
-| ``HandlerForwards`` | counter | forwards | | model forwards (a batch over the item cap runs several) |
-| ``HandlerForwardItems`` | counter | items | | items scored; / ``HandlerForwards`` = items per forward |
-| ``HandlerStageTime`` | histogram | ms | ``Stage`` | per batch: decode, coalesce, forward, encode |
-| ``HandlerRejectedRequests`` | counter | requests | ``Reason`` | 4xx answers, by ``BadRequest`` reason |
-| ``HandlerHashedIds`` | counter | ids | | ids outside their table, hashed by the ``hash`` policy |
+| name | type | labels | what |
+|---|---|---|---|
+| ``HandlerBatches`` | counter | ``Requests`` | TorchServe batches of k requests |
+| ``HandlerForwards`` | counter | | model forwards (a batch over the item cap runs several) |
+| ``HandlerForwardItems`` | counter | | items scored; / ``HandlerForwards`` = items per forward |
+| ``HandlerStageMilliseconds`` | counter | ``Stage`` | time in decode, coalesce, forward, encode |
+| ``HandlerRejectedRequests`` | counter | ``Reason`` | 4xx answers, by ``BadRequest`` reason |
+| ``HandlerHashedIds`` | counter | | ids outside their table, hashed by the ``hash`` policy |
 
-(An id refused by the ``reject`` policy counts as ``HandlerRejectedRequests{Reason="id_out_of_range"}``.)
+(An id refused by the ``reject`` policy counts as ``HandlerRejectedRequests{Reason="id_out_of_range"}``;
+mean time per batch in a stage is ``HandlerStageMilliseconds`` over ``HandlerBatches``.)
 Queue time is TorchServe's own: ``ts_queue_latency_microseconds`` over ``ts_inference_requests_total``.
+
+Every metric TorchServe's worker publishes is a log line the frontend parses, per batch per metric.
+So the counts are summed in the worker and published at most every ``metrics_flush_s`` (at the
+first batch after it elapses; 0: every batch): a handful of lines a second under load, not a dozen
+per batch. A describe call (``GET /models/NAME?customized=true``) flushes them at once; counts of
+the last interval before a worker stops are not published.
 """
 
 from __future__ import annotations
 
+import collections
+import time
 from typing import Any
 
 from ts.metrics.dimension import Dimension
-from ts.metrics.metric_type_enum import MetricTypes
 
 from handlers.runtime.service import BatchStats
 
 
-def publish(context: Any, requests: int, stats: BatchStats) -> None:
-    """Adds one TorchServe batch of ``requests`` requests to the model's metrics."""
-    metrics, model = context.metrics, context.model_name
+class MetricsPublisher:
+    """Sums batches' stats and publishes them as counter increments, at most every ``flush_s``."""
 
-    def dimensions(*extra: Dimension) -> list[Dimension]:
-        return [Dimension("ModelName", model), Dimension("Level", "Model"), *extra]
+    def __init__(self, flush_s: float) -> None:
+        self.flush_s = flush_s
+        self._pending: collections.Counter[tuple[str, tuple[tuple[str, str], ...]]] = collections.Counter()
+        self._last_flush = time.monotonic()
 
-    metrics.add_counter("HandlerBatches", 1, None, dimensions(Dimension("Requests", str(requests))))
-    metrics.add_counter("HandlerForwards", len(stats.forward_items), None, dimensions())
-    metrics.add_counter("HandlerForwardItems", sum(stats.forward_items), None, dimensions())
-    for stage, ms in stats.stage_ms.items():
-        metrics.add_metric(
-            "HandlerStageTime", ms, "ms", None, dimensions(Dimension("Stage", stage)),
-            MetricTypes.HISTOGRAM,
-        )
-    for reason, count in stats.rejected.items():
-        metrics.add_counter(
-            "HandlerRejectedRequests", count, None, dimensions(Dimension("Reason", reason))
-        )
-    if stats.hashed_ids:
-        metrics.add_counter("HandlerHashedIds", stats.hashed_ids, None, dimensions())
+    def add(self, context: Any, requests: int, stats: BatchStats) -> None:
+        """Adds one TorchServe batch of ``requests`` requests; publishes if the interval is over."""
+        pending = self._pending
+        pending[("HandlerBatches", (("Requests", str(requests)),))] += 1
+        pending[("HandlerForwards", ())] += len(stats.forward_items)
+        pending[("HandlerForwardItems", ())] += sum(stats.forward_items)
+        for stage, ms in stats.stage_ms.items():
+            pending[("HandlerStageMilliseconds", (("Stage", stage),))] += ms
+        for reason, count in stats.rejected.items():
+            pending[("HandlerRejectedRequests", (("Reason", reason),))] += count
+        if stats.hashed_ids:
+            pending[("HandlerHashedIds", ())] += stats.hashed_ids
+        if time.monotonic() - self._last_flush >= self.flush_s:
+            self.flush(context)
+
+    def flush(self, context: Any) -> None:
+        """Publishes what has been summed since the last flush."""
+        self._last_flush = time.monotonic()
+        base = [Dimension("ModelName", context.model_name), Dimension("Level", "Model")]
+        for (name, labels), value in self._pending.items():
+            dimensions = base + [Dimension(key, label) for key, label in labels]
+            # idx 0: the line carries one request id, not the whole batch's
+            context.metrics.add_counter(name, value, 0, dimensions)
+        self._pending.clear()

@@ -5,7 +5,9 @@
       sparse: eager            # split only: the parts (handlers.runtime.split.SplitPlan)
       dense: aoti
       dense_device: cpu
-      intra_op_threads: 1
+      intra_op_threads: 2      # threads for a large forward
+      parallel_from_items: 512 # a forward of fewer items runs on one thread
+      metrics_flush_s: 1.0     # how often the worker publishes its counters (0: every batch)
 
 Written by the archive tool, parsed once by the handler (and by the benchmark's in-process
 ceiling), so that both load exactly the same thing.
@@ -25,34 +27,50 @@ class HandlerOptions:
     artifact: Artifact = Artifact.EAGER
     split: SplitPlan | None = None  # the parts of a ``split`` artifact
     intra_op_threads: int = 1
+    parallel_from_items: int = 0  # 0: every forward on intra_op_threads threads
+    metrics_flush_s: float = 1.0
 
     def __post_init__(self) -> None:
         if (self.split is not None) != (self.artifact == Artifact.SPLIT):
             raise ValueError("split: a split plan goes with artifact 'split', and only with it")
         if self.intra_op_threads < 1:
             raise ValueError(f"intra_op_threads: must be at least 1, got {self.intra_op_threads}")
+        if self.parallel_from_items < 0:
+            raise ValueError(f"parallel_from_items: must be >= 0, got {self.parallel_from_items}")
+        if self.metrics_flush_s < 0:
+            raise ValueError(f"metrics_flush_s: must be >= 0, got {self.metrics_flush_s}")
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> "HandlerOptions":
         """From the parsed YAML section (absent: the defaults); a bad value names its key."""
         raw = raw or {}
+        defaults = cls()
         value = raw.get("artifact", Artifact.EAGER.value)
         try:
             artifact = Artifact(value)
         except ValueError:
             raise ValueError(f"artifact: unknown artifact {value!r}") from None
-        threads = raw.get("intra_op_threads", 1)
-        if not isinstance(threads, int) or isinstance(threads, bool):
-            raise ValueError(f"intra_op_threads: must be an integer, got {threads!r}")
         split = SplitPlan.from_options(raw) if artifact == Artifact.SPLIT else None
-        return cls(artifact, split, threads)
+        return cls(
+            artifact,
+            split,
+            _number(raw, "intra_op_threads", defaults.intra_op_threads, int),
+            _number(raw, "parallel_from_items", defaults.parallel_from_items, int),
+            float(_number(raw, "metrics_flush_s", defaults.metrics_flush_s, (int, float))),
+        )
 
     def to_mapping(self) -> dict[str, Any]:
         return {
             "artifact": self.artifact.value,
             **(self.split.to_options() if self.split else {}),
             "intra_op_threads": self.intra_op_threads,
+            "parallel_from_items": self.parallel_from_items,
+            "metrics_flush_s": self.metrics_flush_s,
         }
+
+    def threads_for(self, items: int) -> int:
+        """Intra-op threads for a forward of ``items`` items."""
+        return self.intra_op_threads if items >= self.parallel_from_items else 1
 
     def describe(self) -> str:
         """What runs, for the worker's log, e.g. ``aoti (model_aoti.pt2)``."""
@@ -61,3 +79,10 @@ class HandlerOptions:
             parts = f"sparse {plan.sparse_file}, dense {plan.dense_file} on {plan.dense_device}"
             return f"split ({parts})"
         return f"{self.artifact.value} ({self.artifact.file_name()})"
+
+
+def _number(raw: Mapping[str, Any], key: str, default: Any, kinds: Any) -> Any:
+    value = raw.get(key, default)
+    if not isinstance(value, kinds) or isinstance(value, bool):
+        raise ValueError(f"{key}: must be a number, got {value!r}")
+    return value

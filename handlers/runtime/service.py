@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -68,14 +68,22 @@ class ScoringService:
 
     A batch smaller than ``schema.min_requests`` (a graph captured with TorchAO's int8 dynamic
     quantization takes 2) is padded with empty requests, whose outputs are dropped.
-    ``model_name``: the name answers carry where the protocol names the model.
+    ``model_name``: the name answers carry where the protocol names the model; ``threads_for``:
+    the intra-op threads for a forward of so many items (None: leave torch's setting alone).
     """
 
-    def __init__(self, schema: InputSchema, model: Runner, model_name: str | None = None) -> None:
+    def __init__(
+        self,
+        schema: InputSchema,
+        model: Runner,
+        model_name: str | None = None,
+        threads_for: Callable[[int], int] | None = None,
+    ) -> None:
         self.schema = schema
         self.model = model
         self.decoder = RequestDecoder(schema, model_name)
         self.tags = schema.tags
+        self.threads_for = threads_for
 
     def handle(self, payloads: Sequence[Any]) -> HandledBatch:
         watch = _Stopwatch()
@@ -125,6 +133,10 @@ class ScoringService:
             if missing > 0:
                 padded += [padding_request(requests[0], self.tags)] * missing
             batch = coalesce(padded, self.tags)
+        if self.threads_for is not None:
+            threads = self.threads_for(sum(r.num_items for r in padded))
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         with watch("forward"), torch.inference_mode():
             output = self.model(batch).reshape(-1).cpu()
         counts = [r.num_items for r in requests]

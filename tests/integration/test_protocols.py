@@ -142,7 +142,7 @@ def test_tritons_standard_v2_client_works_unchanged(server, tiny_spec, tiny_refe
 def _metrics(server, model: str) -> dict[tuple[str, tuple], float]:
     """{(sample name, sorted labels without ModelName/Level/Hostname): value} for ``model``
     (the parser's ``_total`` suffix of counters left off)."""
-    text = requests.get(f"{server.metrics_url}/metrics", timeout=30).text
+    text = server.scrape(model)
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -170,9 +170,7 @@ def test_per_stage_metrics_count_the_traffic(server, tiny_spec):
     batches = sum(grew("HandlerBatches", Requests=str(k)) * k for k in range(1, 9))
     assert batches == len(good) + len(bad)
     for stage in ("decode", "coalesce", "forward", "encode"):
-        timed = grew("HandlerStageTime_count", Stage=stage)
-        assert timed == sum(grew("HandlerBatches", Requests=str(k)) for k in range(1, 9)), stage
-        assert grew("HandlerStageTime_sum", Stage=stage) > 0, stage
+        assert grew("HandlerStageMilliseconds", Stage=stage) > 0, stage
     assert grew("HandlerForwardItems") == 2 * len(good)
     assert grew("HandlerRejectedRequests", Reason="malformed_body") == 1
     assert grew("HandlerRejectedRequests", Reason="unknown_field") == 1
@@ -205,6 +203,6 @@ def test_the_grafana_dashboard_plots_metrics_the_server_publishes(server, tiny_s
         for expr in expressions
         for name in re.findall(r"\b(ts_[a-z_]+|Handler[A-Za-z_]+)\{", expr)
     }
-    text = requests.get(f"{server.metrics_url}/metrics", timeout=30).text
+    text = server.scrape("tiny")
     published = {family.name for family in text_string_to_metric_families(text)}
     assert len(queried) >= 8 and queried <= published, queried - published

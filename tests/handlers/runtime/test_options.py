@@ -26,7 +26,8 @@ def test_describes_what_runs():
     "raw, message",
     [
         ({"artifact": "onnx"}, "artifact: unknown artifact 'onnx'"),
-        ({"artifact": "aoti", "intra_op_threads": "4"}, "intra_op_threads: must be an integer"),
+        ({"artifact": "aoti", "intra_op_threads": "4"}, "intra_op_threads: must be a number"),
+        ({"metrics_flush_s": -1}, "metrics_flush_s: must be >= 0"),
         ({"intra_op_threads": 0}, "intra_op_threads: must be at least 1"),
         ({"artifact": "split", "dense": "eager"}, "dense: must be one of"),
     ],
