@@ -13,11 +13,12 @@ from pathlib import Path
 
 from benchmarks.run import run
 from benchmarks.scenarios import REPO, SCENARIOS
+from benchmarks.speed import SPEED_SCENARIOS, run_speed
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
-    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("scenario", choices=sorted({*SCENARIOS, *SPEED_SCENARIOS}))
     parser.add_argument("--out", type=Path, help="output folder")
     parser.add_argument(
         "--trace",
@@ -34,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--trace {item!r}: expected WORKLOAD=FILE")
         traces[workload] = Path(path)
     out = args.out or REPO / "benchmarks" / "results" / args.scenario
-    run(SCENARIOS[args.scenario], out, traces)
+    if args.scenario in SPEED_SCENARIOS:
+        run_speed(SPEED_SCENARIOS[args.scenario], out)
+    else:
+        run(SCENARIOS[args.scenario], out, traces)
     return 0
 
 

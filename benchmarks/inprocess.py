@@ -30,7 +30,7 @@ def ceiling_items_per_s(
     ``traffic``: the best of ``repeats`` timings, since a shared machine only ever slows it down."""
     k, n = max(1, requests_per_batch), len(traffic.bodies)
     starts = range(0, n, k)
-    batches = [[traffic.bodies[(s + j) % n] for j in range(k)] for s in starts]
+    batches = [[traffic.payload((s + j) % n) for j in range(k)] for s in starts]
     items_per_batch = [sum(traffic.items[(s + j) % n] for j in range(k)) for s in starts]
     for batch in batches:  # warm-up: first-call allocations, and the table pages this traffic touches
         service.handle(batch)

@@ -22,6 +22,7 @@ import aiohttp
 import numpy as np
 
 from benchmarks.traffic import Traffic
+from handlers.runtime.wire.kserve_v2 import BINARY, HEADER_LENGTH
 
 PERCENTILES = (50, 90, 99, 99.9)
 
@@ -101,10 +102,14 @@ def _check_loopback(url: str) -> None:
 
 
 async def _send(
-    session: aiohttp.ClientSession, url: str, body: bytes, items: int, start: float, rec: _Recorder
+    session: aiohttp.ClientSession, url: str, traffic: Traffic, i: int, start: float, rec: _Recorder
 ) -> None:
+    body, items = traffic.bodies[i], traffic.items[i]
+    headers = None
+    if traffic.header_lengths is not None:  # KServe v2 binary tensors
+        headers = {HEADER_LENGTH: str(traffic.header_lengths[i]), "Content-Type": BINARY}
     try:
-        async with session.post(url, data=body) as response:
+        async with session.post(url, data=body, headers=headers) as response:
             await response.read()
             status = str(response.status)
     except aiohttp.ClientError:
@@ -137,8 +142,7 @@ async def _closed(
 
         async def sender() -> None:
             while time.perf_counter() < deadline and next(sent) < max_requests:
-                i = next(order)
-                await _send(session, url, traffic.bodies[i], traffic.items[i], time.perf_counter(), rec)
+                await _send(session, url, traffic, next(order), time.perf_counter(), rec)
 
         await asyncio.gather(*(sender() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
@@ -171,12 +175,72 @@ async def _open(
                 rec.statuses["client_overload"] += 1
                 continue
             i = k % len(traffic.bodies)
-            task = asyncio.create_task(
-                _send(session, url, traffic.bodies[i], traffic.items[i], scheduled, rec)
-            )
+            task = asyncio.create_task(_send(session, url, traffic, i, scheduled, rec))
             in_flight.add(task)
             task.add_done_callback(in_flight.discard)
         if in_flight:
             await asyncio.gather(*in_flight)
         wall = time.perf_counter() - t0
         return rec.result("open", rate, wall, time.process_time() - cpu0)
+
+
+def run_closed_loop_grpc(
+    target: str,
+    metadata: list[tuple[str, str]],
+    model: str,
+    traffic: Traffic,
+    concurrency: int,
+    duration_s: float,
+    max_requests: int,
+) -> LoadResult:
+    """Closed loop over TorchServe's gRPC inference API: each body (and, for binary bodies, its
+    header length) in ``PredictionsRequest.input``."""
+    _check_loopback(f"grpc://{target}")
+    return asyncio.run(_closed_grpc(target, metadata, model, traffic, concurrency, duration_s, max_requests))
+
+
+async def _closed_grpc(
+    target: str,
+    metadata: list[tuple[str, str]],
+    model: str,
+    traffic: Traffic,
+    concurrency: int,
+    duration_s: float,
+    max_requests: int,
+) -> LoadResult:
+    import grpc
+
+    from archive_tools.grpc_inference import inference_stub, messages
+
+    request_type = messages().PredictionsRequest
+    requests = []
+    for i, body in enumerate(traffic.bodies):
+        inputs = {"body": body}
+        if traffic.header_lengths is not None:
+            inputs[HEADER_LENGTH] = str(traffic.header_lengths[i]).encode()
+        requests.append(request_type(model_name=model, input=inputs))
+    rec = _Recorder()
+    order = itertools.cycle(range(len(requests)))
+    sent = itertools.count()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = inference_stub(channel)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        deadline = t0 + duration_s
+
+        async def sender() -> None:
+            while time.perf_counter() < deadline and next(sent) < max_requests:
+                i = next(order)
+                start = time.perf_counter()
+                try:
+                    await stub.Predictions(requests[i], metadata=metadata, timeout=120)
+                    status = "200"
+                except grpc.aio.AioRpcError as error:
+                    status = f"grpc_{error.code().name.lower()}"
+                rec.statuses[status] += 1
+                if status == "200":
+                    rec.latencies.append(time.perf_counter() - start)
+                    rec.items += traffic.items[i]
+
+        await asyncio.gather(*(sender() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+        return rec.result("closed", concurrency, wall, time.process_time() - cpu0)

@@ -14,10 +14,16 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from typing import Any
+
 import numpy as np
 import orjson
 
+from archive_tools.client import ScoringClient
 from handlers.modeling.registry import input_schema
+from handlers.runtime.inputs import InputSchema
+from handlers.runtime.wire.messages import BinaryBody
+from handlers.runtime.wire.v2_tensors import encode_request
 from handlers.modeling.spec import ModelSpec
 
 _GOLDEN = 2654435761  # Knuth's multiplicative hash constant: scatters hot ids over the table
@@ -79,10 +85,30 @@ class TrafficModel:
 
 @dataclasses.dataclass
 class Traffic:
-    """Encoded request bodies and their item counts, in send order (cycled by the load generator)."""
+    """Encoded request bodies and their item counts, in send order (cycled by the load generator).
+    ``header_lengths``: for KServe v2 binary bodies, each one's JSON header length (sent as
+    ``Inference-Header-Content-Length``); None for JSON bodies."""
 
     bodies: list[bytes]
     items: list[int]
+    header_lengths: list[int] | None = None
+
+    def payload(self, index: int) -> Any:
+        """Body ``index`` as the handler's service takes it."""
+        if self.header_lengths is None:
+            return self.bodies[index]
+        return BinaryBody(self.bodies[index], self.header_lengths[index])
+
+    def as_tensors(self, schema: InputSchema) -> "Traffic":
+        """The same requests (items-form JSON bodies) as KServe v2 binary bodies."""
+        client = ScoringClient(schema.model, schema, rest_url="http://127.0.0.1")
+        bodies, lengths = [], []
+        for body in self.bodies:
+            request = orjson.loads(body)
+            body, length = encode_request(client.tensors(request["items"], request.get("context")))
+            bodies.append(body)
+            lengths.append(length)
+        return Traffic(bodies, list(self.items), lengths)
 
     def write_trace(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -75,7 +75,8 @@ def test_a_dense_part_for_a_gpu_is_built_and_verified_on_a_cpu_machine(tmp_path)
     ]) == 0
     config = yaml.safe_load((tmp_path / "tiny" / "model-config.yaml").read_text())
     assert config["handler"] == HandlerOptions(
-        Artifact.SPLIT, SplitPlan(Artifact.EXPORTED, Artifact.EXPORTED, "cuda")
+        Artifact.SPLIT, SplitPlan(Artifact.EXPORTED, Artifact.EXPORTED, "cuda"),
+        intra_op_threads=2, parallel_from_items=400, metrics_flush_s=1.0,
     ).to_mapping()
     assert json.loads((tmp_path / "tiny.verification.json").read_text())["passed"]
 

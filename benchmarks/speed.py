@@ -1,0 +1,225 @@
+"""The speed scenarios: the handler against TorchServe's own floor, JSON against binary tensors,
+REST against gRPC, served against the in-process ceiling; all in one run, on one server.
+
+    make bench SCENARIO=speed        # the Criteo-shaped model (26 tables of up to 100k rows)
+    make bench SCENARIO=speed-1tb    # the Criteo 1TB row counts (177.9M rows)
+
+Writes ``benchmarks/results/SCENARIO/speed.json`` (the keys below), ``summary.txt`` (each target
+beside its figure) and ``speed.png``:
+
+* the floor: a no-op handler (``benchmarks/noop_handler.py``) behind the same configuration,
+  one item per request: ``floor_c1_p50_ms`` (batching off, concurrency 1), ``floor_c32_items_per_s``
+  (batch_size 32, 5 ms, concurrency 32), and ``floor_100cand_items_per_s`` (100-candidate JSON
+  bodies, answered without work);
+* the model, compiled (AOTInductor), one item per request: ``one_item_c1_p50_ms``,
+  ``one_item_c32_items_per_s``, ``one_item_c32_p99_ms``;
+* 100 candidates per request at concurrency 32, batch_size 32: ``json_100cand_items_per_s`` (JSON
+  over REST), ``tensor_100cand_items_per_s`` (KServe v2 binary tensors over REST),
+  ``grpc_100cand_items_per_s`` (the same bytes over TorchServe's gRPC API), and
+  ``ceiling_100cand_items_per_s`` (the handler in process, on the tensor bodies, at the batch size
+  TorchServe formed);
+* decoding, in process: ``json_decode_us_per_item``, ``tensor_decode_us_per_item``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import orjson  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from archive_tools.local_server import LocalTorchServe  # noqa: E402
+from benchmarks.inprocess import CeilingProcess  # noqa: E402
+from benchmarks.load import LoadResult, run_closed_loop, run_closed_loop_grpc  # noqa: E402
+from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS  # noqa: E402
+from benchmarks.traffic import Traffic, TrafficModel  # noqa: E402
+from handlers.modeling.registry import input_schema, load_spec  # noqa: E402
+from handlers.runtime.wire.decoder import RequestDecoder  # noqa: E402
+
+NOOP_HANDLER = Path(__file__).resolve().parent / "noop_handler.py"
+TUNED_EXAMPLE_ITEMS_PER_S = 3900.0  # TorchServe's DLRM example, one thread, Criteo-100k shape
+TUNED_EXAMPLE_P99_MS = 23.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedScenario:
+    name: str
+    spec: Path
+    build_args: tuple[str, ...]
+    seconds: float = 10.0  # per load level
+
+
+SPEED_SCENARIOS = {
+    "speed": SpeedScenario("speed", MODELS / "criteo.yaml", ("--artifact", "aoti")),
+    "speed-1tb": SpeedScenario(
+        "speed-1tb",
+        MODELS / "criteo_1tb.yaml",
+        ("--init", "quantized", "--archive-format", "no-archive", "--artifact", "aoti"),
+    ),
+}
+
+
+def run_speed(scenario: SpeedScenario, out_dir: Path) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = load_spec(scenario.spec)
+    schema = input_schema(spec)
+    one_item = TrafficModel(items_per_request=1).generate(spec, 512, seed=1)
+    candidates = TrafficModel(
+        items_per_request=100, candidate_features=CRITEO_CANDIDATE_FEATURES
+    ).generate(spec, 256, seed=2)
+    tensors = candidates.as_tensors(schema)
+    figures: dict = {
+        "json_decode_us_per_item": _decode_us_per_item(schema, candidates),
+        "tensor_decode_us_per_item": _decode_us_per_item(schema, tensors),
+    }
+    store = out_dir / "model_store"
+    archive = _build(scenario, spec.name, store)
+    progress = tqdm(total=9, desc=scenario.name, unit="level")
+    with LocalTorchServe(model_store=store) as server:
+        auth = server.auth("inference")
+
+        def serve(model: str, traffic: Traffic, concurrency: int, batch_size: int) -> LoadResult:
+            progress.set_postfix_str(f"{model} c={concurrency} b={batch_size}")
+            url = f"{server.inference_url}/{'v2/models/' + model + '/infer' if traffic.header_lengths else 'predictions/' + model}"
+            run_closed_loop(url, auth, traffic, 4, 2.0, 200)  # warm-up
+            result = run_closed_loop(url, auth, traffic, concurrency, scenario.seconds, 10**6)
+            progress.update()
+            return result
+
+        _register(server, "noop", batch_size=1)
+        figures["floor_c1_p50_ms"] = serve("noop", one_item, 1, 1).latency_ms["p50"]
+        _register(server, "noop", batch_size=32)
+        figures["floor_c32_items_per_s"] = serve("noop", one_item, 32, 32).items_per_s
+        figures["floor_100cand_items_per_s"] = serve("noop", candidates, 32, 32).items_per_s
+
+        _register(server, spec.name, batch_size=1)
+        figures["one_item_c1_p50_ms"] = serve(spec.name, one_item, 1, 1).latency_ms["p50"]
+        _register(server, spec.name, batch_size=32)
+        one = serve(spec.name, one_item, 32, 32)
+        figures["one_item_c32_items_per_s"] = one.items_per_s
+        figures["one_item_c32_p99_ms"] = one.latency_ms["p99"]
+        figures["json_100cand_items_per_s"] = serve(spec.name, candidates, 32, 32).items_per_s
+        before = server.handler_counters(spec.name)
+        figures["tensor_100cand_items_per_s"] = serve(spec.name, tensors, 32, 32).items_per_s
+        formed = server.handler_counters(spec.name).minus(before)
+        progress.set_postfix_str("gRPC")
+        metadata = [(k.lower(), v) for k, v in auth.items()]
+        target = f"127.0.0.1:{server.ports['grpc_inference_port']}"
+        run_closed_loop_grpc(target, metadata, spec.name, tensors, 4, 2.0, 200)
+        grpc = run_closed_loop_grpc(target, metadata, spec.name, tensors, 32, scenario.seconds, 10**6)
+        figures["grpc_100cand_items_per_s"] = grpc.items_per_s
+        progress.update()
+        server.management("DELETE", f"/models/{spec.name}").raise_for_status()
+    progress.set_postfix_str("in-process ceiling")
+    requests_per_batch = max(1, round(formed.mean_requests_per_batch))
+    with CeilingProcess(archive, out_dir / "unpacked", {"tensor": tensors}, 2) as ceiling:
+        figures["ceiling_100cand_items_per_s"] = ceiling.items_per_s("tensor", requests_per_batch)
+    progress.update()
+    progress.close()
+    figures["formed_100cand_requests_per_batch"] = formed.mean_requests_per_batch
+    results = {"scenario": scenario.name, "spec": spec.name, **figures, "targets": _targets(figures)}
+    (out_dir / "speed.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+    (out_dir / "summary.txt").write_text(_summary(results))
+    _plot(results, out_dir / "speed.png")
+    print(_summary(results))
+    return results
+
+
+def _decode_us_per_item(schema, traffic: Traffic, min_time_s: float = 1.0) -> float:
+    """Decoding alone, in process: the best of three timings over the traffic's bodies."""
+    decoder = RequestDecoder(schema)
+    payloads = [traffic.payload(i) for i in range(len(traffic.bodies))]
+    items = sum(traffic.items)
+    for payload in payloads:
+        decoder.decode(payload)
+    timings = []
+    for _ in range(3):
+        rounds, started = 0, time.perf_counter()
+        while time.perf_counter() - started < min_time_s:
+            for payload in payloads:
+                decoder.decode(payload)
+            rounds += 1
+        timings.append((time.perf_counter() - started) / (rounds * items) * 1e6)
+    return min(timings)
+
+
+def _build(scenario: SpeedScenario, name: str, store: Path) -> Path:
+    subprocess.run(
+        [sys.executable, "-m", "archive_tools", "build", "--spec", str(scenario.spec),
+         "--model-store", str(store), *scenario.build_args],
+        check=True,
+    )
+    subprocess.run(
+        [sys.executable, "-c", "from model_archiver.model_packaging import generate_model_archive "
+         "as main; main()", "--model-name", "noop", "--version", "1.0", "--handler",
+         str(NOOP_HANDLER), "--export-path", str(store), "--force"],
+        check=True,
+    )
+    unzipped = "no-archive" in scenario.build_args
+    return store / (name if unzipped else f"{name}.mar")
+
+
+def _register(server: LocalTorchServe, model: str, batch_size: int) -> None:
+    server.management("DELETE", f"/models/{model}")  # the earlier registration, if any
+    url = model if (server.model_store / model).is_dir() else f"{model}.mar"
+    response = server.register(url, batch_size=batch_size, max_batch_delay=5)
+    response.raise_for_status()
+
+
+def _targets(figures: dict) -> list[dict]:
+    def target(label: str, value: float, op: str, bound: float) -> dict:
+        met = value >= bound if op == ">=" else value <= bound
+        return {"target": label, "measured": value, "op": op, "bound": bound, "met": met}
+
+    return [
+        target("tensor decode at least 5x cheaper per item than JSON",
+               figures["json_decode_us_per_item"] / figures["tensor_decode_us_per_item"], ">=", 5.0),
+        target("100 candidates served at >= 0.9 of the in-process ceiling (best transport)",
+               max(figures[k] for k in ("json_100cand_items_per_s", "tensor_100cand_items_per_s",
+                                        "grpc_100cand_items_per_s"))
+               / figures["ceiling_100cand_items_per_s"], ">=", 0.9),
+        target("one item, c=32: >= 0.7 of the no-op floor's items/s",
+               figures["one_item_c32_items_per_s"] / figures["floor_c32_items_per_s"], ">=", 0.7),
+        target("one item, c=32: p99 <= half the tuned DLRM example's 23 ms",
+               figures["one_item_c32_p99_ms"], "<=", TUNED_EXAMPLE_P99_MS / 2),
+        target("one item, c=1, batching off: p50 <= 1.5 ms", figures["one_item_c1_p50_ms"], "<=", 1.5),
+    ]
+
+
+def _summary(results: dict) -> str:
+    lines = [f"speed, {results['spec']}"]
+    for key, value in results.items():
+        if isinstance(value, float):
+            lines.append(f"  {key:<36}{value:>12,.2f}")
+    lines.append("targets:")
+    for t in results["targets"]:
+        lines.append(f"  {'met   ' if t['met'] else 'missed'} {t['target']}: {t['measured']:.3g} ({t['op']} {t['bound']:g})")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(results: dict, path: Path) -> None:
+    bars = {
+        "no-op floor\n1 item": results["floor_c32_items_per_s"],
+        "model\n1 item": results["one_item_c32_items_per_s"],
+        "no-op floor\n100 cand. JSON": results["floor_100cand_items_per_s"],
+        "JSON\n100 cand.": results["json_100cand_items_per_s"],
+        "tensors REST\n100 cand.": results["tensor_100cand_items_per_s"],
+        "tensors gRPC\n100 cand.": results["grpc_100cand_items_per_s"],
+        "in-process\nceiling": results["ceiling_100cand_items_per_s"],
+    }
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.bar(list(bars), list(bars.values()), color=["#999", "#37a", "#999", "#e83", "#3a5", "#384", "#555"])
+    ax.set_yscale("log")
+    ax.set_ylabel("items/s, concurrency 32, batch_size 32")
+    ax.set_title(f"{results['spec']}: served throughput by format and transport")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
