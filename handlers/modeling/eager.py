@@ -22,9 +22,16 @@ from handlers.modeling.registry import input_schema
 from handlers.modeling.spec import ModelSpec
 from handlers.runtime.batching import Batch
 from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds
+from handlers.runtime.quiet import quieter
 from handlers.runtime.service import ScoringService
 
 from torchrec import KeyedJaggedTensor  # isort: skip
+from torch.fx._symbolic_trace import is_fx_tracing  # isort: skip
+
+# TorchRec's modules ask torch.fx whether they are being traced, the function TorchRec calls
+# itself; torch's first answer in a process warns that torch.export also counts as tracing.
+with quieter("torch.fx._symbolic_trace"):
+    is_fx_tracing()
 
 
 class EagerModel:
