@@ -151,3 +151,13 @@ def test_a_checkpoint_that_does_not_match_is_exit_code_4_with_the_fix(tmp_path, 
     assert build(["--spec", "tiny", "--checkpoint", str(tmp_path / "other.pt"), "--model-store", str(tmp_path)]) == 4
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "checkpoint does not match the spec" in last and "checkpoint_mapping.prefixes" in last
+
+
+def test_the_build_compares_dense_precisions_and_suggests_one(tmp_path, capsys):
+    assert build(["--spec", "tiny", "--model-store", str(tmp_path), "--compare-dense-precisions"]) == 0
+    err = capsys.readouterr().err
+    table = [line.split() for line in err.splitlines() if line.strip().split(" ")[0] in
+             ("fp32", "bf16", "fp16", "int8_weight_only", "int8_dynamic")]
+    assert [row[0] for row in table] == ["fp32", "bf16", "fp16", "int8_weight_only", "int8_dynamic"]
+    assert all(row[-1] in ("passes", "fails") for row in table)
+    assert "fastest that passes for one item:" in err and "fastest that passes for large batches:" in err

@@ -147,3 +147,18 @@ def test_table_wise_sharded_model_exports_and_equals_eager(tiny_spec, tmp_path):
         batch = _batch(spec, eager, sizes, seed=21)
         with torch.inference_mode():
             torch.testing.assert_close(graph(batch), eager.model(batch), atol=0, rtol=0)
+
+
+def test_torchao_int8_weights_compile_into_a_package(tiny_spec, tmp_path):
+    """AOTInductor keeps TorchAO's int8 weight tensors as their inner tensors; the package's
+    weights file holds them under the names the package asks for."""
+    spec = tiny_spec.replace(dense_precision={m: DensePrecision.INT8_WEIGHT_ONLY for m in tiny_spec.DENSE_SUBMODULES})
+    factory = DLRMFactory(spec)
+    weights = factory.quantize(factory.float_model(seed=0))
+    eager = eager_service(spec, factory.inference_model(weights))
+    program = export_model(factory.inference_model(weights), eager.tags, _batch(spec, eager, (3, 5), 0))
+    graph = GraphModel(compile_aoti(program, tmp_path / "model_aoti.pt2"), Artifact.AOTI, eager.tags)
+    assert any(".parametrizations." in name for name in graph.weights)
+    batch = _batch(spec, eager, (4, 9), seed=2)
+    with torch.inference_mode():
+        torch.testing.assert_close(graph(batch), eager.model(batch), atol=1e-5, rtol=1e-4)

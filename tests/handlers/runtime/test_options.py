@@ -43,3 +43,10 @@ def test_a_split_plan_only_goes_with_a_split_artifact():
         HandlerOptions(Artifact.AOTI, SplitPlan())
     with pytest.raises(ValueError, match="split"):
         HandlerOptions(Artifact.SPLIT, None)
+
+
+def test_threads_per_forward_follow_its_size():
+    options = HandlerOptions(Artifact.AOTI, intra_op_threads=2, parallel_from_items=400)
+    assert [options.threads_for(n) for n in (1, 399, 400, 4096)] == [1, 1, 2, 2]
+    assert HandlerOptions(Artifact.AOTI, intra_op_threads=2).threads_for(1) == 2  # 0: always
+    assert HandlerOptions.from_mapping(options.to_mapping()) == options
