@@ -12,10 +12,16 @@ a smaller one on one (``HandlerOptions.threads_for``).
 
 ``GET /models/NAME?customized=true`` (management API) answers with what each worker runs: its pid,
 artifact, device, load time, and whether TorchRec or TorchAO were imported.
+
+Garbage collection: once the model is loaded, every object then alive (hundreds of thousands:
+torch, the model, TorchServe) is frozen out of the collector's reach (``gc.freeze``). Without it a
+full collection, which request garbage triggers every few seconds, walks them all and stalls the
+worker for 200-350 ms: the p99 of a lightly loaded server.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -30,7 +36,7 @@ from handlers.loading import load_service
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH
-from handlers.runtime.wire.messages import BinaryBody
+from handlers.runtime.wire.transport import Arrival
 from handlers.torchserve_metrics import MetricsPublisher
 
 logger = logging.getLogger(__name__)
@@ -49,6 +55,8 @@ class DLRMHandler:
         options = HandlerOptions.from_mapping((context.model_yaml_config or {}).get("handler"))
         self.service = load_service(model_dir, options, gpu_id, model_name=context.model_name)
         self.metrics = MetricsPublisher(options.metrics_flush_s)
+        gc.collect()
+        gc.freeze()
         load_s = time.perf_counter() - started
         self.description = {
             "pid": os.getpid(),
@@ -84,19 +92,21 @@ class DLRMHandler:
         return [r.body for r in handled.responses]
 
 
-def _payload(row: dict[str, Any], context: Any, index: int) -> Any:
-    """One request's body as TorchServe hands it over: REST puts it under ``body`` with the HTTP
-    headers beside it; gRPC puts each entry of ``PredictionsRequest.input`` under its own key. A
-    KServe v2 binary body comes with its JSON header's length (``Inference-Header-Content-Length``:
-    a header on REST, an input entry on gRPC)."""
-    body = row.get("body", row.get("data"))
-    length = row.get(HEADER_LENGTH) or context.get_request_header(index, HEADER_LENGTH)
-    if length is None:
-        length = context.get_request_header(index, HEADER_LENGTH.lower())
-    if length is None or not isinstance(body, (bytes, bytearray)):
-        return body
-    try:
-        json_length = int(length)
-    except ValueError:
-        json_length = -1  # refused, naming the header, by the decoder
-    return BinaryBody(body, json_length)
+def _payload(row: dict[str, Any], context: Any, index: int) -> Arrival:
+    """One request as TorchServe hands it over: REST puts the body under ``body`` with the HTTP
+    headers beside it (a form's fields under their own names instead); gRPC puts each entry of
+    ``PredictionsRequest.input`` under its own key. A KServe v2 binary body comes with its JSON
+    header's length (``Inference-Header-Content-Length``: a header on REST, an input entry on
+    gRPC)."""
+    length = row.get(HEADER_LENGTH)
+    return Arrival(
+        body=row.get("body", row.get("data")),
+        content_type=_header(context, index, "Content-Type"),
+        content_encoding=_header(context, index, "Content-Encoding"),
+        header_length=length if length is not None else _header(context, index, HEADER_LENGTH),
+    )
+
+
+def _header(context: Any, index: int, name: str) -> str | None:
+    value = context.get_request_header(index, name)
+    return value if value is not None else context.get_request_header(index, name.lower())

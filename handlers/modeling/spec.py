@@ -112,8 +112,11 @@ class ShardingSpec(_Section):
 
 
 class LimitsSpec(_Section):
-    """Caps on a single request; anything above is a 400 naming the field."""
+    """Caps on a single request; anything above is a 4xx naming the field."""
 
+    max_request_bytes: PositiveInt = Field(
+        Limits.max_request_bytes, description="bytes in one request body (gzip-decoded); more is a 413"
+    )
     max_items_per_request: PositiveInt = Field(
         Limits.max_items_per_request, description="items in one request"
     )

@@ -31,12 +31,30 @@ class BadRequest(ServingError):
     status = 400
     REASONS = (
         "malformed_body", "unknown_field", "missing_field", "bad_value", "too_large",
-        "id_out_of_range",
+        "id_out_of_range", "unsupported_media",
     )
 
     def __init__(self, field: str, problem: str, reason: str = "bad_value") -> None:
         super().__init__(f"{field}: {problem}", field)
         self.reason = reason
+
+
+class PayloadTooLarge(BadRequest):
+    """A body over the model's ``limits.max_request_bytes``: 413."""
+
+    status = 413
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(field, problem, "too_large")
+
+
+class UnsupportedMediaType(BadRequest):
+    """A body in an encoding or form the handler does not read: 415, naming what to send."""
+
+    status = 415
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(field, problem, "unsupported_media")
 
 
 class InternalError(ServingError):

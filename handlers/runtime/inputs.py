@@ -63,8 +63,9 @@ class OutOfRangePolicy(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Caps on a single request and on one forward; a request above them is a 400 naming the field."""
+    """Caps on a single request and on one forward; a request above them is a 4xx naming the field."""
 
+    max_request_bytes: int = 6 << 20
     max_items_per_request: int = 1024
     max_ids_per_bag: int = 256
     max_items_per_forward: int = 4096

@@ -9,7 +9,8 @@ answer), whatever the wire form. The body's keys say which form it is:
 
 The JSON forms also take ``"context": [C floats]`` once per request for a model with a context
 input, and ``"return_logits": true``. Anything else is refused with a ``BadRequest`` naming the
-field, e.g. ``items[2].sparse.cat_4[1]``, in the form's own error shape.
+field, e.g. ``items[2].sparse.cat_4[1]``, in the form's own error shape; so is a JSON key given
+twice in one object (parsers would keep the last silently).
 """
 
 from __future__ import annotations
@@ -23,9 +24,16 @@ from handlers.runtime.inputs import InputSchema, RequestInputs
 from handlers.runtime.validation import RequestChecks
 from handlers.runtime.wire.json_columnar import DENSE_KEY, ColumnarDecoder
 from handlers.runtime.wire.json_items import ItemsDecoder
-from handlers.runtime.wire.json_values import float_rows, json_type, parse_json, reject_unknown
+from handlers.runtime.wire.json_values import (
+    float_rows,
+    json_type,
+    parse_json,
+    refuse_duplicate_keys,
+    reject_unknown,
+)
 from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH, V2Decoder
 from handlers.runtime.wire.messages import BinaryBody, DecodedRequest, JsonEncoder, Rejected
+from handlers.runtime.wire.transport import Arrival, opened
 
 CONTEXT_KEY = "context"
 RETURN_LOGITS_KEY = "return_logits"
@@ -46,10 +54,12 @@ class RequestDecoder:
         self._items_keys = frozenset({"items"} | shared)
         self._columnar_keys = self._columnar.keys | shared
 
-    def decode(self, payload: BinaryBody | bytes | bytearray | str | dict | list | None) -> DecodedRequest:
+    def decode(self, payload: Arrival | BinaryBody | bytes | bytearray | str | dict | list | None) -> DecodedRequest:
         """Raises ``Rejected`` (the error and its answer) for a request it refuses."""
         encoder: Any = JsonEncoder()
         try:
+            if isinstance(payload, Arrival):
+                payload = opened(payload, self.schema.limits.max_request_bytes)
             binary = None
             if isinstance(payload, BinaryBody):  # only v2 has binary tensors: answer in v2
                 encoder = self._v2.encoder({})
@@ -59,10 +69,14 @@ class RequestDecoder:
                 raise BadRequest("body", f"must be a JSON object, got {json_type(body)}", "malformed_body")
             if V2_KEY in body:
                 encoder = self._v2.encoder(body)
-                return self._v2.decode(body, binary)
+                decoded = self._v2.decode(body, binary)
+                refuse_duplicate_keys(payload, self._v2.key_count(body))
+                return decoded
             if binary is not None:
                 raise BadRequest(V2_KEY, "a body with binary tensors is a KServe v2 request", "missing_field")
-            return self._decode_json(body)
+            decoded = self._decode_json(body)
+            refuse_duplicate_keys(payload, self._items.key_count(body) if "items" in body else len(body))
+            return decoded
         except ServingError as error:
             raise Rejected(error, encoder) from None
 

@@ -89,6 +89,18 @@ class ItemsDecoder:
         weights = self._weights(resolved, lengths, len(values))
         return DecodedRows.from_arrays(dense, lengths, ids, weights, hashed)
 
+    def key_count(self, body: dict) -> int:
+        """Keys in all objects of a body this decoder accepted (``json_values.refuse_duplicate_keys``)."""
+        items = body["items"]
+        count = len(body) + sum(map(len, items))
+        for item in items:
+            sparse = item.get("sparse")
+            if sparse:
+                count += len(sparse)
+                if self.schema.weighted_ids:
+                    count += sum(len(bag) for bag in sparse.values() if type(bag) is dict)
+        return count
+
     def _weights(
         self, resolved: list[tuple[list, list]] | None, lengths: np.ndarray, count: int
     ) -> np.ndarray | None:

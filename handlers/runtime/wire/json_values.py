@@ -6,6 +6,7 @@ free of any request layout.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Callable
 
@@ -30,6 +31,30 @@ def parse_json(payload: Any) -> Any:
     if payload is None:
         raise BadRequest("body", "empty request body", "malformed_body")
     return payload
+
+
+def refuse_duplicate_keys(raw: Any, keys: int) -> None:
+    """A ``BadRequest`` naming a key given twice in one object of the JSON text ``raw``, whose
+    parse holds ``keys`` keys (JSON parsers keep the last value of a repeated key silently).
+
+    Quick check: each key of the text is followed by one colon, and colons elsewhere are inside
+    strings, so a text with exactly ``keys`` colons repeats none. Otherwise (a duplicate, or
+    colons in strings) the text is parsed again, slowly, to name the key."""
+    if not isinstance(raw, (bytes, bytearray, memoryview, str)):
+        return  # decoded by TorchServe already: repeated keys are gone
+    text = raw.encode() if isinstance(raw, str) else bytes(raw)
+    if text.count(b":") == keys:
+        return
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict:
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise BadRequest(key, "given twice in one JSON object; give each key once", "malformed_body")
+            seen.add(key)
+        return dict(pairs)
+
+    json.loads(text, object_pairs_hook=unique)
 
 
 def finite_float32s(flat: list[Any], locate: Locate) -> np.ndarray:

@@ -150,6 +150,14 @@ class V2Decoder:
         encoder = V2Encoder(self.model_name, request_id, outputs, binary_outputs)
         return DecodedRequest(RequestInputs(rows.dense.shape[0], inputs), encoder, rows.hashed_ids)
 
+    @staticmethod
+    def key_count(body: dict) -> int:
+        """Keys in all objects of a body this decoder accepted (``json_values.refuse_duplicate_keys``)."""
+        count = len(body) + len(body.get("parameters", ()))
+        for tensor in [*body["inputs"], *body.get("outputs", ())]:
+            count += len(tensor) + len(tensor.get("parameters", ()))
+        return count
+
     # -- the named tensors ------------------------------------------------------------------------
 
     def _tensors(self, raw: Any, binary: memoryview | None) -> dict[str, _Tensor]:
