@@ -1,7 +1,7 @@
 # Two entry points, each doing all set-up on a fresh machine:
 #   make demo   build the example archive, start TorchServe, register, score the example requests
 #   make test   run the whole test suite
-#   make bench SCENARIO=criteo   run a benchmark scenario (smoke, criteo); results in benchmarks/results/
+#   make bench SCENARIO=criteo   run a benchmark scenario (smoke, criteo, speed, reliability, ...); results in benchmarks/results/
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,20 +9,25 @@ STAMP := $(VENV)/.installed
 
 SCENARIO ?= smoke
 
-.PHONY: setup java demo test bench clean
+.PHONY: setup java plugin demo test bench clean
 
-setup: java $(STAMP)
+setup: java $(STAMP) plugin
 
-# TorchServe's frontend is Java: 17 or newer. Installed with apt when we are root, else explained.
+# The TorchServe plugin jar, rebuilt when its Java sources or TorchServe change.
+plugin: $(STAMP)
+	@$(BIN)/python -c "from archive_tools.plugin import plugin_dir; print('plugin:', plugin_dir())"
+
+# TorchServe's frontend is Java 17 or newer, and our plugin (archive_tools/plugin) is compiled
+# from source with javac: a JDK 17 is installed with apt when we are root, else explained.
 java:
 	@v=$$(java -version 2>&1 | awk -F'"' '/version/ {print $$2}' | cut -d. -f1); \
-	if [ -z "$$v" ] || [ "$$v" -lt 17 ]; then \
+	if [ -z "$$v" ] || [ "$$v" -lt 17 ] || ! command -v javac >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "Java 17+ not found (got '$${v:-none}'): installing openjdk-17-jre-headless"; \
-	    apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless; \
+	    echo "JDK 17+ not found (java '$${v:-none}', javac $$(command -v javac || echo none)): installing openjdk-17-jdk-headless"; \
+	    apt-get update -qq && apt-get install -y -qq openjdk-17-jdk-headless; \
 	  else \
-	    echo "TorchServe needs Java 17 or newer (found: $${v:-none})."; \
-	    echo "Install it, e.g.: sudo apt-get install openjdk-17-jre-headless"; exit 1; \
+	    echo "TorchServe and its plugin need a JDK 17 or newer (java: $${v:-none}, javac: $$(command -v javac || echo none))."; \
+	    echo "Install it, e.g.: sudo apt-get install openjdk-17-jdk-headless"; exit 1; \
 	  fi; \
 	fi
 

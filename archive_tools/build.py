@@ -66,8 +66,12 @@ class ServingConfig:
     # per forward (`python -m benchmarks.threads`); smaller forwards run on one.
     intra_op_threads: int = 2
     parallel_from_items: int = 400
-    response_timeout_s: int = 60
+    # TorchServe's own reply timeout, a backstop: the plugin's watchdog restarts a hung worker first.
+    response_timeout_s: int = 30
     metrics_flush_s: float = 1.0
+    # The plugin's admission control and watchdog (0: derived from the measured batch time).
+    max_queue_wait_ms: int = 0
+    hang_after_ms: int = 0
 
     def model_config(self, artifact: Artifact, weights_bytes: int, split: SplitPlan | None) -> dict:
         # Loading is dominated by reading the weights: allow a minute plus 30 s per GB.
@@ -82,6 +86,7 @@ class ServingConfig:
             "handler": HandlerOptions(
                 artifact, split, self.intra_op_threads, self.parallel_from_items, self.metrics_flush_s
             ).to_mapping(),
+            "guard": {"max_queue_wait_ms": self.max_queue_wait_ms, "hang_after_ms": self.hang_after_ms},
         }
 
 

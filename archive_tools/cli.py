@@ -94,6 +94,8 @@ def _build(args: argparse.Namespace) -> int:
             intra_op_threads=args.intra_op_threads,
             parallel_from_items=args.parallel_from_items,
             metrics_flush_s=args.metrics_flush,
+            max_queue_wait_ms=args.max_queue_wait_ms,
+            hang_after_ms=args.hang_after_ms,
         ),
         bounds=_bounds(args),
         validation=args.validation,
@@ -283,6 +285,16 @@ def _build_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-flush", type=float, default=ServingConfig.metrics_flush_s,
         help="seconds between the worker's metric updates (0: every batch)",
+    )
+    parser.add_argument(
+        "--max-queue-wait-ms", type=int, default=ServingConfig.max_queue_wait_ms,
+        help="admission control: overloaded, requests that would wait longer get a fast 503 "
+        "(0: four times the measured batch time, at least 50 ms)",
+    )
+    parser.add_argument(
+        "--hang-after-ms", type=int, default=ServingConfig.hang_after_ms,
+        help="a worker that runs one batch this long is restarted, the batch answered 503 "
+        "(0: 20 times the measured batch time, at least 2000 ms)",
     )
     _verification_args(parser)
 

@@ -22,11 +22,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Mapping
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from archive_tools.keys import TokenKeys
+from archive_tools.plugin import plugin_dir
 from archive_tools.resources import config_dir
 
 
@@ -82,7 +84,11 @@ class PortTaken(RuntimeError):
 
 class LocalTorchServe:
     """``free_ports``: each listener on a free loopback port (tests, benchmarks, several servers on
-    one machine); else on the ports ``config`` names, refused clearly when one is taken."""
+    one machine); else on the ports ``config`` names, refused clearly when one is taken.
+    ``settings`` replace or add config.properties keys (e.g. ``{"token_expiration_min": "0.1"}``).
+
+    Its calls authenticate with keys that stay valid (``archive_tools.keys.TokenKeys``): refreshed
+    before they expire, and a call refused for its key is retried once with a fresh one."""
 
     def __init__(
         self,
@@ -91,6 +97,7 @@ class LocalTorchServe:
         startup_timeout_s: float = 120.0,
         keep_logs: Path | None = None,
         free_ports: bool = True,
+        settings: Mapping[str, str] | None = None,
     ) -> None:
         self.model_store = Path(model_store).resolve()
         self.base_config = config or config_dir() / "config.properties"
@@ -101,10 +108,11 @@ class LocalTorchServe:
             if free_ports
             else _configured_ports(self.base_config)
         )
+        self.settings = dict(settings or {})
         self.workdir = Path(tempfile.mkdtemp(prefix="torchserve-"))
         self.process: subprocess.Popen | None = None
         self._log: BinaryIO | None = None
-        self._keys: dict[str, str] = {}
+        self.keys: TokenKeys | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -150,7 +158,7 @@ class LocalTorchServe:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             self.check_alive()
-            self._keys = self._read_keys()  # with tokens on, even /ping needs the inference key
+            self.keys = TokenKeys(self.workdir / "key_file.json", self.management_url)
             try:
                 ping = requests.get(f"{self.inference_url}/ping", headers=self.auth("inference"), timeout=2)
                 if ping.status_code == 200:
@@ -210,23 +218,29 @@ class LocalTorchServe:
 
     def auth(self, api: str) -> dict[str, str]:
         """The Authorization header for ``api`` ("inference" or "management"), if tokens are on."""
-        key = self._keys.get(api)
-        return {"Authorization": f"Bearer {key}"} if key else {}
+        return self.keys.header(api) if self.keys is not None else {}
+
+    def call(self, api: str, method: str, url: str, **kwargs: Any) -> requests.Response:
+        """One HTTP call with ``api``'s key; refused for its key (expired, or refreshed by another
+        client), it is retried once with a fresh key."""
+        headers = dict(kwargs.pop("headers", {}))
+        for attempt in range(2):
+            auth = self.auth(api)
+            response = requests.request(method, url, headers={**headers, **auth}, **kwargs)
+            if attempt == 0 and self.keys is not None and TokenKeys.rejected(response):
+                self.keys.recover(api, auth.get("Authorization", " ").split(" ")[-1])
+                continue
+            return response
+        return response
 
     def register(self, url: str, *, timeout_s: float = 300.0, **params: Any) -> requests.Response:
         """POST /models?url=...&synchronous=true; ``params`` are batch_size, initial_workers, ..."""
         query = {"url": url, "synchronous": "true", "initial_workers": 1, **params}
-        return requests.post(
-            f"{self.management_url}/models",
-            params=query,
-            headers=self.auth("management"),
-            timeout=timeout_s,
-        )
+        return self.call("management", "POST", f"{self.management_url}/models", params=query, timeout=timeout_s)
 
     def management(self, method: str, path: str, **kwargs: Any) -> requests.Response:
-        return requests.request(
-            method, f"{self.management_url}{path}", headers=self.auth("management"), timeout=300, **kwargs
-        )
+        kwargs.setdefault("timeout", 300)
+        return self.call("management", method, f"{self.management_url}{path}", **kwargs)
 
     def flush_metrics(self, model: str) -> None:
         """Has the model's worker publish the counts it has summed (its describe call does)."""
@@ -271,8 +285,8 @@ class LocalTorchServe:
     ) -> requests.Response:
         path = f"/predictions/{model}" + (f"/{version}" if version else "")
         data = json.dumps(body) if isinstance(body, dict) else body
-        headers = {"Content-Type": "application/json", **self.auth("inference")}
-        return requests.post(f"{self.inference_url}{path}", data=data, headers=headers, timeout=timeout_s)
+        headers = {"Content-Type": "application/json"}
+        return self.call("inference", "POST", f"{self.inference_url}{path}", data=data, headers=headers, timeout=timeout_s)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -284,14 +298,21 @@ class LocalTorchServe:
             )
             if count != 1:
                 raise ValueError(f"{self.base_config}: expected one '{key}=' line, found {count}")
-        return re.sub(r"^model_store=.*$", f"model_store={self.model_store}", text, flags=re.M)
-
-    def _read_keys(self) -> dict[str, str]:
-        key_file = self.workdir / "key_file.json"
-        if not key_file.exists():
-            return {}  # token authorization is off
-        keys = json.loads(key_file.read_text())
-        return {api: keys[api]["key"] for api in ("inference", "management") if api in keys}
+        settings = {"model_store": str(self.model_store), **self.settings}
+        if re.search(r"^plugins_path=", text, flags=re.M):
+            settings.setdefault("plugins_path", str(plugin_dir()))
+        # a relative log4j2.xml is the one beside the config (config/ or the installed copy)
+        text = re.sub(
+            r"-Dlog4j\.configurationFile=(\S+)",
+            lambda m: f"-Dlog4j.configurationFile={self.base_config.parent / Path(m.group(1)).name}"
+            if not Path(m.group(1)).is_absolute() else m.group(0),
+            text,
+        )
+        for key, value in settings.items():
+            text, count = re.subn(rf"^{re.escape(key)}=.*$", lambda _: f"{key}={value}", text, flags=re.M)
+            if count == 0:
+                text += f"\n{key}={value}\n"
+        return text
 
 
 def _configured_ports(config: Path) -> dict[str, int]:

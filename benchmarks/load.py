@@ -7,6 +7,9 @@
 
 Both are bounded by time and by count. The client's own CPU use (process time / wall time, in
 cores) is reported so that a saturated client is visible in the results.
+
+``BackgroundLoad`` runs an open loop on a thread of its own while the caller does something to the
+server (kill a worker, scale, register), and keeps every request's (sent, answered, status).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import threading
 import time
 from collections import Counter
 from urllib.parse import urlsplit
@@ -37,6 +41,9 @@ class LoadResult:
     statuses: dict[str, int]  # "200": n, "400": n, "client_overload": n, "connection_error": n
     latency_ms: dict[str, float]  # "p50", "p90", "p99", "p99.9", "mean" over 200s
     client_cpu_cores: float
+    rejected_latency_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # over 503s
+    # every request: (sent, answered) on the perf_counter clock, and its status (BackgroundLoad)
+    events: list[tuple[float, float, str]] = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def requests_per_s(self) -> float:
@@ -47,24 +54,37 @@ class LoadResult:
         return self.items / self.wall_s
 
     def to_dict(self) -> dict:
-        return {
-            **dataclasses.asdict(self),
-            "requests_per_s": self.requests_per_s,
-            "items_per_s": self.items_per_s,
-        }
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "events"}
+        return {**fields, "requests_per_s": self.requests_per_s, "items_per_s": self.items_per_s}
+
+
+def _percentiles(seconds: list[float]) -> dict[str, float]:
+    ms = np.asarray(seconds) * 1000
+    if not len(ms):
+        return {}
+    return {**{f"p{p:g}": float(np.percentile(ms, p)) for p in PERCENTILES}, "mean": float(ms.mean())}
 
 
 class _Recorder:
-    def __init__(self) -> None:
+    def __init__(self, keep_events: bool = False) -> None:
         self.latencies: list[float] = []
+        self.rejected: list[float] = []
         self.statuses: Counter[str] = Counter()
         self.items = 0
+        self.events: list[tuple[float, float, str]] | None = [] if keep_events else None
+
+    def record(self, start: float, status: str, items: int) -> None:
+        end = time.perf_counter()
+        self.statuses[status] += 1
+        if status == "200":
+            self.latencies.append(end - start)
+            self.items += items
+        elif status == "503":
+            self.rejected.append(end - start)
+        if self.events is not None:
+            self.events.append((start, end, status))
 
     def result(self, mode: str, level: float, wall_s: float, cpu_s: float) -> LoadResult:
-        ms = np.asarray(self.latencies) * 1000
-        latency = {f"p{p:g}": float(np.percentile(ms, p)) for p in PERCENTILES} if len(ms) else {}
-        if len(ms):
-            latency["mean"] = float(ms.mean())
         return LoadResult(
             mode=mode,
             level=level,
@@ -72,8 +92,10 @@ class _Recorder:
             requests=sum(self.statuses.values()),
             items=self.items,
             statuses=dict(self.statuses),
-            latency_ms=latency,
+            latency_ms=_percentiles(self.latencies),
             client_cpu_cores=cpu_s / wall_s,
+            rejected_latency_ms=_percentiles(self.rejected),
+            events=self.events or [],
         )
 
 
@@ -95,6 +117,38 @@ def run_open_loop(
     return asyncio.run(_open(url, headers, traffic, rate, duration_s, max_in_flight, seed))
 
 
+class BackgroundLoad:
+    """An open loop at ``rate`` on its own thread until ``stop()``, which returns its result with
+    every request's events:
+
+        with BackgroundLoad(url, headers, traffic, rate=200) as load:
+            ...                                  # act on the server
+        load.result.events                       # [(sent, answered, status)]
+    """
+
+    def __init__(self, url: str, headers: dict, traffic: Traffic, rate: float, max_s: float = 3600.0) -> None:
+        self._stopping = threading.Event()
+        self._args = (url, headers, traffic, rate, max_s, 1024, 0)
+        self.result: LoadResult | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        self.result = asyncio.run(_open(*self._args, stopping=self._stopping, keep_events=True))
+
+    def __enter__(self) -> "BackgroundLoad":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> LoadResult:
+        self._stopping.set()
+        self._thread.join()
+        assert self.result is not None
+        return self.result
+
+
 def _check_loopback(url: str) -> None:
     host = urlsplit(url).hostname
     if host not in ("127.0.0.1", "localhost", "::1"):
@@ -114,10 +168,9 @@ async def _send(
             status = str(response.status)
     except aiohttp.ClientError:
         status = "connection_error"
-    rec.statuses[status] += 1
-    if status == "200":
-        rec.latencies.append(time.perf_counter() - start)
-        rec.items += items
+    except asyncio.TimeoutError:
+        status = "timeout"
+    rec.record(start, status, items)
 
 
 def _session(headers: dict, limit: int) -> aiohttp.ClientSession:
@@ -157,9 +210,11 @@ async def _open(
     duration_s: float,
     max_in_flight: int,
     seed: int,
+    stopping: threading.Event | None = None,
+    keep_events: bool = False,
 ) -> LoadResult:
     _check_loopback(url)
-    rec = _Recorder()
+    rec = _Recorder(keep_events)
     rng = np.random.default_rng(seed)
     count = int(rate * duration_s)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, size=count))
@@ -167,6 +222,8 @@ async def _open(
     async with _session(headers, max_in_flight) as session:
         cpu0, t0 = time.process_time(), time.perf_counter()
         for k, offset in enumerate(arrivals):
+            if stopping is not None and stopping.is_set():
+                break
             scheduled = t0 + offset
             delay = scheduled - time.perf_counter()
             if delay > 0:
@@ -236,10 +293,7 @@ async def _closed_grpc(
                     status = "200"
                 except grpc.aio.AioRpcError as error:
                     status = f"grpc_{error.code().name.lower()}"
-                rec.statuses[status] += 1
-                if status == "200":
-                    rec.latencies.append(time.perf_counter() - start)
-                    rec.items += traffic.items[i]
+                rec.record(start, status, traffic.items[i])
 
         await asyncio.gather(*(sender() for _ in range(concurrency)))
         wall = time.perf_counter() - t0

@@ -2,11 +2,13 @@
 
 import re
 import socket
+import time
 
 import pytest
 import requests
 
 from archive_tools.cli import main
+from archive_tools.keys import TokenKeys
 from archive_tools.local_server import LocalTorchServe, PortTaken, ServerDied
 from archive_tools.resources import config_dir
 
@@ -23,10 +25,10 @@ def test_start_timeout_stops_the_server(tmp_path):
 def test_unexpected_error_while_starting_stops_the_server(tmp_path, monkeypatch):
     server = LocalTorchServe(model_store=tmp_path)
 
-    def broken_keys():
+    def broken_keys(*args, **kwargs):
         raise RuntimeError("key file unreadable")
 
-    monkeypatch.setattr(server, "_read_keys", broken_keys)
+    monkeypatch.setattr("archive_tools.local_server.TokenKeys", broken_keys)
     with pytest.raises(RuntimeError, match="key file unreadable"):
         server.start()
     assert server.process is not None and server.process.poll() is not None, "server left running"
@@ -54,3 +56,36 @@ def test_a_configured_port_that_is_taken_is_named(tmp_path, capsys):
         code = main(["serve", "--model-store", str(tmp_path), "--config", str(tmp_path / "config.properties")])
     assert code == 6
     assert f"port {port} (inference_address" in capsys.readouterr().err
+
+
+def test_keys_are_refreshed_before_they_expire_and_after_another_client_refreshed(tmp_path):
+    """Keys that live 3 s, used for 9 s by two clients sharing the key file: a refresh by one
+    invalidates the key the other holds, which then takes the new one from the file."""
+    with LocalTorchServe(model_store=tmp_path, settings={"token_expiration_min": "0.05"}) as server:
+        other = TokenKeys(server.workdir / "key_file.json", server.management_url)
+        statuses = []
+        deadline = time.monotonic() + 9
+        while time.monotonic() < deadline:
+            statuses.append(server.management("GET", "/models").status_code)
+            used = other.key("management")
+            response = requests.get(f"{server.management_url}/models", headers=other.header("management"), timeout=10)
+            if TokenKeys.rejected(response):
+                other.recover("management", used)
+                response = requests.get(
+                    f"{server.management_url}/models", headers=other.header("management"), timeout=10
+                )
+            statuses.append(response.status_code)
+            time.sleep(0.1)
+        assert set(statuses) == {200}, statuses
+        assert server.keys.refreshes + other.refreshes >= 2
+
+
+def test_dev_config_differs_only_in_token_authorization():
+    def settings(name: str) -> dict[str, str]:
+        lines = (config_dir() / name).read_text().splitlines()
+        return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+    production, dev = settings("config.properties"), settings("config.dev.properties")
+    assert {k for k in production if production[k] != dev.get(k)} == {"disable_token_authorization"}
+    assert production["disable_token_authorization"] == "false" and dev["disable_token_authorization"] == "true"
+    assert set(production) == set(dev)

@@ -41,7 +41,7 @@ def server(tmp_path_factory):
 
 def _clients(server, model: str) -> dict[str, ScoringClient]:
     archive = server.model_store / f"{model}.mar"
-    token = server._keys["inference"]
+    token = server.keys.key("inference")
     return {
         "rest": ScoringClient.from_archive(model, archive, rest_url=server.inference_url, token=token),
         "grpc": ScoringClient.from_archive(

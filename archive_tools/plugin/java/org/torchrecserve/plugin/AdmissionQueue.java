@@ -1,0 +1,249 @@
+package org.torchrecserve.plugin;
+
+import java.nio.charset.StandardCharsets;
+import java.util.ArrayList;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.concurrent.ConcurrentHashMap;
+import java.util.concurrent.LinkedBlockingDeque;
+import java.util.concurrent.TimeUnit;
+import java.util.concurrent.atomic.AtomicInteger;
+import java.util.concurrent.atomic.AtomicLong;
+import org.pytorch.serve.job.Job;
+import org.pytorch.serve.job.RestJob;
+import org.pytorch.serve.util.messages.WorkerCommands;
+import org.pytorch.serve.wlm.Model;
+
+/**
+ * A model's data queue that sheds load instead of letting it queue: TorchServe's workers take
+ * their batches from here, and every inference request is offered here first.
+ *
+ * <p>The queue measures its workers: each worker's batch time (from taking a batch to coming back
+ * for the next while requests wait) and the time per request in it. A request arriving when {@code
+ * n} requests wait would wait about {@code n x request time / ready workers} (or the batches of
+ * the model's batch size those make, whichever is less: {@link #predictedWaitNs}); it is answered
+ * at once with a 503 when that exceeds the target, so that accepted requests wait about one target at
+ * most. The target is {@code guard.max_queue_wait_ms}, or four batch times (at least 50 ms: a
+ * closed loop of 32 clients on an unbatched model is not shed) when it is 0.
+ *
+ * <p>Also answered at once with a 503 naming the reason: a request when the queue holds {@code
+ * jobQueueSize} requests (the memory bound), when the model has no ready worker (one stopped
+ * answering and is being restarted), or while it is unregistered or scaled to 0. Other jobs
+ * (describe calls) always queue. TorchServe's own answer to a full queue ("has no worker to serve
+ * inference request") never happens: this queue takes every offer, answering those it sheds.
+ */
+final class AdmissionQueue extends LinkedBlockingDeque<Job> {
+    private static final long serialVersionUID = 1L;
+    private static final long MIN_TARGET_NS = TimeUnit.MILLISECONDS.toNanos(50);
+    private static final long MIN_HANG_NS = TimeUnit.MILLISECONDS.toNanos(2000);
+
+    /** A worker's current batch: when it took the first request, and how many it took. */
+    private static final class Batch {
+        final long startNs;
+        int requests;
+
+        Batch(long startNs) {
+            this.startNs = startNs;
+        }
+    }
+
+    final Model model;
+    final String label;
+    final GuardSettings settings;
+    private final int capacity;
+    private final Map<Thread, Batch> batches = new ConcurrentHashMap<>();
+    private volatile double batchNs; // measured, exponentially averaged; 0: not yet
+    private volatile double requestNs;
+    private volatile int readyWorkers = 1; // set by the Guard
+    private final AtomicInteger idleWorkers = new AtomicInteger(); // waiting for a batch's first request
+    private volatile String closedReason; // set while the model is being unregistered
+    private volatile String unavailableReason; // set by the Guard while no worker is ready
+    final AtomicLong shedOverloaded = new AtomicLong();
+    final AtomicLong shedUnavailable = new AtomicLong();
+
+    AdmissionQueue(Model model, int capacity, GuardSettings settings) {
+        this.model = model;
+        this.label = Guard.label(model);
+        this.capacity = capacity;
+        this.settings = settings;
+    }
+
+    @Override
+    public boolean offer(Job job) {
+        if (!Internals.isInference(job.getCmd())) {
+            return super.offer(job);
+        }
+        String unavailable = closedReason;
+        if (unavailable == null && unavailableReason != null) { // the Guard's last look; look again
+            unavailable = unavailableReason = Guard.get().unavailable(model, this);
+        }
+        if (unavailable != null) {
+            shedUnavailable.incrementAndGet();
+            refuse(job, unavailable);
+            return true;
+        }
+        String overload = overload();
+        if (overload != null) {
+            shedOverloaded.incrementAndGet();
+            refuse(job, label + " is overloaded: " + overload + "; retry with backoff");
+            return true;
+        }
+        return super.offer(job);
+    }
+
+    /** Why a request arriving now would wait too long, or null. */
+    private String overload() {
+        int waiting = size();
+        if (waiting >= capacity) {
+            return "its queue holds " + capacity + " requests (jobQueueSize)";
+        }
+        if (waiting < idleWorkers.get()) {
+            return null; // a worker waits for it: no wait to predict (and a stale estimate heals)
+        }
+        long waitNs = predictedWaitNs(waiting);
+        long targetNs = targetNs();
+        if (waitNs <= targetNs) {
+            return null;
+        }
+        return String.format(
+                "a request now would wait about %.0f ms (%d queued, %.2f ms each on %d workers), over its %.0f ms target (%s)",
+                waitNs / 1e6, waiting, requestNs / 1e6, readyWorkers, targetNs / 1e6,
+                settings.maxQueueWaitMs() > 0 ? "max_queue_wait_ms" : "four batch times; set by max_queue_wait_ms");
+    }
+
+    /**
+     * The wait of a request behind {@code waiting} others: the lesser of two estimates, by the
+     * time per request and by whole batches of the model's batch size. They agree under a
+     * steady load; after one slow batch of few requests (a pause in the worker) the per-request
+     * time is inflated and the batch estimate keeps a short queue from being shed.
+     */
+    private long predictedWaitNs(int waiting) {
+        int ahead = waiting + 1;
+        int batchSize = Math.max(1, model.getBatchSize());
+        double byRequest = ahead * requestNs;
+        double byBatch = Math.ceil(ahead / (double) batchSize) * batchNs;
+        return (long) (Math.min(byRequest, byBatch) / Math.max(1, readyWorkers));
+    }
+
+    @Override
+    public Job poll(long timeout, TimeUnit unit) throws InterruptedException {
+        Thread worker = Thread.currentThread();
+        boolean batchStart = timeout == Long.MAX_VALUE; // Model.pollBatch's first take
+        if (batchStart) {
+            Batch previous = batches.get(worker);
+            if (previous != null && previous.requests > 0 && !isEmpty()) {
+                // requests waited while this worker ran its last batch: all that time was work
+                double elapsed = System.nanoTime() - previous.startNs;
+                batchNs = average(batchNs, elapsed);
+                requestNs = average(requestNs, elapsed / previous.requests);
+            }
+        }
+        Job job;
+        if (batchStart) {
+            idleWorkers.incrementAndGet();
+            try {
+                job = super.poll(timeout, unit);
+            } finally {
+                idleWorkers.decrementAndGet();
+            }
+            batches.put(worker, new Batch(System.nanoTime()));
+        } else {
+            job = super.poll(timeout, unit);
+        }
+        if (job != null && Internals.isInference(job.getCmd())) {
+            Batch current = batches.get(worker);
+            if (current != null) {
+                current.requests++;
+            }
+        }
+        return job;
+    }
+
+    private static double average(double current, double sample) {
+        return current == 0 ? sample : 0.8 * current + 0.2 * sample;
+    }
+
+    @Override
+    public int remainingCapacity() {
+        return Math.max(0, capacity - size());
+    }
+
+    long targetNs() {
+        if (settings.maxQueueWaitMs() > 0) {
+            return TimeUnit.MILLISECONDS.toNanos(settings.maxQueueWaitMs());
+        }
+        return Math.max(MIN_TARGET_NS, (long) (4 * batchNs));
+    }
+
+    long hangAfterNs() {
+        if (settings.hangAfterMs() > 0) {
+            return TimeUnit.MILLISECONDS.toNanos(settings.hangAfterMs());
+        }
+        return Math.max(MIN_HANG_NS, (long) (20 * batchNs));
+    }
+
+    /** What the describe call shows of it. */
+    Map<String, Object> describe() {
+        Map<String, Object> state = new LinkedHashMap<>();
+        state.put("queued", size());
+        state.put("target_ms", targetNs() / 1e6);
+        state.put("batch_ms", batchNs / 1e6);
+        state.put("request_ms", requestNs / 1e6);
+        state.put("hang_after_ms", hangAfterNs() / 1e6);
+        state.put("shed_overloaded", shedOverloaded.get());
+        state.put("shed_unavailable", shedUnavailable.get());
+        return state;
+    }
+
+    void setReadyWorkers(int ready) {
+        readyWorkers = ready;
+    }
+
+    void setUnavailable(String reason) {
+        unavailableReason = reason;
+    }
+
+    /** New inference requests are refused with ``reason`` until ``open()``. */
+    void close(String reason) {
+        closedReason = reason;
+    }
+
+    void open() {
+        closedReason = null;
+    }
+
+    boolean hasInferenceJobs() {
+        for (Job job : this) {
+            if (Internals.isInference(job.getCmd())) {
+                return true;
+            }
+        }
+        return false;
+    }
+
+    /** Answers every inference job still queued with a 503 giving ``reason``. */
+    void refuseQueued(String reason) {
+        List<Job> left = new ArrayList<>();
+        drainTo(left);
+        for (Job job : left) {
+            if (Internals.isInference(job.getCmd())) {
+                refuse(job, reason);
+            }
+        }
+    }
+
+    /** A 503 with our message: a JSON body with Retry-After on REST, UNAVAILABLE on gRPC. */
+    static void refuse(Job job, String message) {
+        if (job instanceof RestJob && job.getCmd() == WorkerCommands.PREDICT) {
+            Map<String, Object> body = new LinkedHashMap<>();
+            body.put("code", 503);
+            body.put("type", "ServiceUnavailable");
+            body.put("message", message);
+            byte[] json = Replies.COMPACT.toJson(body).getBytes(StandardCharsets.UTF_8);
+            job.response(json, "application/json", 503, null, Map.of("Retry-After", "1"));
+        } else {
+            job.sendError(503, message);
+        }
+    }
+}

@@ -1,0 +1,116 @@
+package org.torchrecserve.plugin;
+
+import java.lang.reflect.Field;
+import java.util.ArrayList;
+import java.util.List;
+import java.util.Map;
+import java.util.concurrent.ConcurrentMap;
+import java.util.concurrent.LinkedBlockingDeque;
+import java.util.concurrent.atomic.AtomicBoolean;
+import java.util.concurrent.atomic.AtomicReference;
+import org.pytorch.serve.job.Job;
+import org.pytorch.serve.util.messages.BaseModelRequest;
+import org.pytorch.serve.util.messages.WorkerCommands;
+import org.pytorch.serve.wlm.BatchAggregator;
+import org.pytorch.serve.wlm.Model;
+import org.pytorch.serve.wlm.WorkerThread;
+
+/**
+ * The TorchServe 0.12 internals this plugin reads and steers, all in one place, each looked up
+ * once when the plugin loads (a TorchServe without them fails the plugin's load, loudly).
+ *
+ * <ul>
+ *   <li>{@code Model.jobsDb}: the model's queues; its data queue is replaced by an {@link
+ *       AdmissionQueue}.
+ *   <li>{@code WorkerThread.req}: the batch a worker is running (null when idle).
+ *   <li>{@code WorkerThread.aggregator.jobs}: the jobs of that batch, by request id.
+ *   <li>{@code WorkerThread.running}: cleared so that a worker leaves after its current batch.
+ *   <li>{@code WorkerThread.currentThread}: null once the worker's thread has ended.
+ * </ul>
+ */
+final class Internals {
+    private static final Field JOBS_DB = field(Model.class, "jobsDb");
+    private static final Field WORKER_REQUEST = field(WorkerThread.class, "req");
+    private static final Field WORKER_AGGREGATOR = field(WorkerThread.class, "aggregator");
+    private static final Field WORKER_RUNNING = field(WorkerThread.class, "running");
+    private static final Field WORKER_THREAD = field(WorkerThread.class, "currentThread");
+    private static final Field AGGREGATOR_JOBS = field(BatchAggregator.class, "jobs");
+
+    private Internals() {}
+
+    /** The model's data queue: every inference request waits there for a worker. */
+    static LinkedBlockingDeque<Job> dataQueue(Model model) {
+        return queues(model).get(Model.DEFAULT_DATA_QUEUE);
+    }
+
+    static void setDataQueue(Model model, LinkedBlockingDeque<Job> queue) {
+        queues(model).put(Model.DEFAULT_DATA_QUEUE, queue);
+    }
+
+    /** The inference batch the worker is running, or null (idle, loading, or describing). */
+    static BaseModelRequest runningBatch(WorkerThread worker) {
+        BaseModelRequest request = (BaseModelRequest) get(WORKER_REQUEST, worker);
+        return request != null && isInference(request.getCommand()) ? request : null;
+    }
+
+    /** Removes and returns the jobs of the worker's running batch, so that nobody else answers them. */
+    static List<Job> takeRunningJobs(WorkerThread worker) {
+        BatchAggregator aggregator = (BatchAggregator) get(WORKER_AGGREGATOR, worker);
+        @SuppressWarnings("unchecked")
+        Map<String, Job> jobs = (Map<String, Job>) get(AGGREGATOR_JOBS, aggregator);
+        List<Job> taken = new ArrayList<>();
+        for (String id : new ArrayList<>(jobs.keySet())) {
+            Job job = jobs.remove(id);
+            if (job != null) {
+                taken.add(job);
+            }
+        }
+        return taken;
+    }
+
+    /** The worker finishes the batch it holds, if any, and then leaves its loop. */
+    static void stopAfterCurrentBatch(WorkerThread worker) {
+        ((AtomicBoolean) get(WORKER_RUNNING, worker)).set(false);
+    }
+
+    /** True once the worker's thread has left its loop (its backend process is stopped then). */
+    static boolean hasExited(WorkerThread worker) {
+        return ((AtomicReference<?>) get(WORKER_THREAD, worker)).get() == null;
+    }
+
+    static boolean isInference(WorkerCommands command) {
+        return command == WorkerCommands.PREDICT
+                || command == WorkerCommands.OIPPREDICT
+                || command == WorkerCommands.STREAMPREDICT
+                || command == WorkerCommands.STREAMPREDICT2;
+    }
+
+    @SuppressWarnings("unchecked")
+    private static ConcurrentMap<String, LinkedBlockingDeque<Job>> queues(Model model) {
+        return (ConcurrentMap<String, LinkedBlockingDeque<Job>>) get(JOBS_DB, model);
+    }
+
+    private static Field field(Class<?> owner, String name) {
+        try {
+            Field field = owner.getDeclaredField(name);
+            field.setAccessible(true);
+            return field;
+        } catch (NoSuchFieldException e) {
+            throw new IllegalStateException(
+                    "torchrec-serve plugin: TorchServe's "
+                            + owner.getSimpleName()
+                            + "."
+                            + name
+                            + " is missing; this plugin is built for TorchServe 0.12",
+                    e);
+        }
+    }
+
+    private static Object get(Field field, Object owner) {
+        try {
+            return field.get(owner);
+        } catch (IllegalAccessException e) {
+            throw new IllegalStateException(e);
+        }
+    }
+}

@@ -1,0 +1,176 @@
+"""The project's TorchServe plugin, loaded by a real TorchServe from ``config/config.properties``:
+the management API it takes over (locked model store, 409 before unpacking, ``initial_workers=0``,
+drained scale-down), admission control, the hung-worker watchdog and ``/ping``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from archive_tools.build import ServingConfig, build_archive
+from archive_tools.local_server import LocalTorchServe
+from benchmarks.load import BackgroundLoad, run_closed_loop
+from benchmarks.traffic import TrafficModel
+from handlers.modeling.registry import load_spec
+from tests.conftest import TINY_SPEC
+from tests.helpers import items_request
+
+pytestmark = pytest.mark.integration
+
+ONE = items_request(load_spec(TINY_SPEC), 1, seed=3)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    store = tmp_path_factory.mktemp("plugin") / "model_store"
+    build_archive(
+        TINY_SPEC, checkpoint=None, seed=0, name="tiny", version="1.0", model_store=store,
+        serving=ServingConfig(batch_size=8, max_batch_delay_ms=5),
+    )
+    return store
+
+
+@pytest.fixture(scope="module")
+def server(store):
+    with LocalTorchServe(model_store=store) as server:
+        assert server.register("tiny.mar").status_code == 200
+        yield server
+
+
+@pytest.fixture(scope="module")
+def traffic(tiny_spec):
+    return TrafficModel(items_per_request=1).generate(tiny_spec, 64, seed=1)
+
+
+def _ready_pids(server: LocalTorchServe, name: str) -> list[int]:
+    described = server.management("GET", f"/models/{name}").json()[0]
+    return [w["pid"] for w in described["workers"] if w["status"] == "READY"]
+
+
+def _until(condition, timeout_s: float) -> float:
+    """Seconds until ``condition()`` held; fails the test past ``timeout_s``."""
+    started = time.perf_counter()
+    while not condition():
+        assert time.perf_counter() - started < timeout_s, f"not within {timeout_s}s"
+        time.sleep(0.05)
+    return time.perf_counter() - started
+
+
+@pytest.mark.parametrize(
+    "url", ["/abs/path/tiny.mar", "file:///tmp/tiny.mar", "https://example.invalid/model.mar", "../tiny.mar", "a/tiny.mar"]
+)
+def test_register_takes_only_names_inside_the_model_store(server, url):
+    response = server.register(url)
+    assert response.status_code == 400, response.text
+    message = response.json()["message"]
+    assert message.startswith("url:") and "directly inside the model store" in message
+
+
+def test_register_of_a_missing_archive_is_a_404_naming_it(server):
+    response = server.register("nothing.mar")
+    assert response.status_code == 404 and "no 'nothing.mar' in the model store" in response.json()["message"]
+
+
+def test_a_registered_version_is_refused_with_409(server):
+    response = server.register("tiny.mar")
+    assert response.status_code == 409, response.text
+    assert "1.0 is already registered for model tiny" in response.json()["message"]
+    assert server.predict("tiny", ONE).status_code == 200
+
+
+def test_register_refuses_a_body_and_bad_numbers(server):
+    body = server.management("POST", "/models", json={"url": "tiny.mar"})
+    assert body.status_code == 400 and "query string" in body.json()["message"]
+    workers = server.register("tiny.mar", model_name="neg", initial_workers=-1)
+    assert workers.status_code == 400 and "initial_workers" in workers.json()["message"]
+    guard = server.register("tiny.mar", model_name="neg", max_queue_wait_ms="soon")
+    assert guard.status_code == 400 and "max_queue_wait_ms" in guard.json()["message"]
+
+
+def test_initial_workers_zero_is_honoured(server):
+    assert server.register("tiny.mar", model_name="idle", initial_workers=0).status_code == 200
+    try:
+        assert server.management("GET", "/models/idle").json()[0]["workers"] == []
+        assert server.predict("idle", ONE).status_code == 503
+        scaled = server.management("PUT", "/models/idle", params={"min_worker": 1, "synchronous": "true"})
+        assert scaled.status_code == 200, scaled.text
+        assert server.predict("idle", ONE).status_code == 200
+    finally:
+        server.management("DELETE", "/models/idle")
+
+
+def test_describe_shows_the_admission_queue(server):
+    admission = server.management("GET", "/models/tiny").json()[0]["admission"]
+    assert set(admission) >= {"queued", "target_ms", "batch_ms", "request_ms", "hang_after_ms", "shed_overloaded"}
+    assert admission["hang_after_ms"] >= 2000
+
+
+def test_scale_down_under_load_loses_no_request(server, traffic):
+    """TorchServe alone interrupts a worker mid-batch (500 "Worker died.") or drops the batch it is
+    collecting; the plugin drains it first."""
+    url = f"{server.inference_url}/predictions/tiny"
+    with BackgroundLoad(url, server.auth("inference"), traffic, rate=150) as load:
+        for _ in range(3):
+            for workers in (2, 1):
+                scaled = server.management(
+                    "PUT", "/models/tiny", params={"min_worker": workers, "synchronous": "true"}
+                )
+                assert scaled.status_code == 200, scaled.text
+                time.sleep(0.3)
+    result = load.result
+    assert result.requests > 100
+    assert result.statuses == {"200": result.requests}, result.statuses
+    assert len(_ready_pids(server, "tiny")) == 1
+
+
+def test_overload_is_refused_at_once_with_retry_after(server, traffic):
+    """A wait target of 1 ms with 32 senders: requests that would wait longer are refused up front
+    with a 503 that says why, the others are served."""
+    assert server.register("tiny.mar", model_name="tight", max_queue_wait_ms=1).status_code == 200
+    try:
+        url = f"{server.inference_url}/predictions/tight"
+        run_closed_loop(url, server.auth("inference"), traffic, 4, 1.0, 10**6)  # measured batch time
+        with ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(lambda body: server.predict("tight", body), traffic.bodies * 8))
+        statuses = {r.status_code for r in answers}
+        assert statuses == {200, 503}, statuses
+        refused = next(r for r in answers if r.status_code == 503)
+        assert refused.json()["type"] == "ServiceUnavailable" and "max_queue_wait_ms" in refused.text
+        assert int(refused.headers["Retry-After"]) >= 1
+        admission = server.management("GET", "/models/tight").json()[0]["admission"]
+        assert admission["shed_overloaded"] == sum(r.status_code == 503 for r in answers)
+    finally:
+        server.management("DELETE", "/models/tight")
+
+
+def test_a_hung_worker_is_answered_for_reported_and_replaced(server, tiny_spec):
+    assert server.register("tiny.mar", model_name="hangs").status_code == 200
+    victim = _ready_pids(server, "hangs")[0]
+    try:
+        os.kill(victim, signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(server.predict, "hangs", ONE)
+            detect_s = _until(
+                lambda: requests.get(f"{server.inference_url}/ping", headers=server.auth("inference"), timeout=10)
+                .status_code == 503,
+                timeout_s=10,
+            )
+            answer = in_flight.result(timeout=30)
+        assert detect_s < 5
+        assert answer.status_code == 503 and "stopped answering" in answer.json()["message"], answer.text
+        _until(lambda: _ready_pids(server, "hangs") not in ([], [victim]), timeout_s=60)
+        assert server.predict("hangs", ONE).status_code == 200
+        ping = requests.get(f"{server.inference_url}/ping", headers=server.auth("inference"), timeout=10)
+        assert ping.status_code == 200, ping.text
+        assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
+    finally:
+        if psutil.pid_exists(victim):
+            os.kill(victim, signal.SIGCONT)
+        server.management("DELETE", "/models/hangs")
