@@ -78,10 +78,12 @@ def test_register_of_a_missing_archive_is_a_404_naming_it(server):
     assert response.status_code == 404 and "no 'nothing.mar' in the model store" in response.json()["message"]
 
 
-def test_a_registered_version_is_refused_with_409(server):
+def test_a_registered_version_is_refused_with_409_leaving_nothing_behind(server, store):
+    before = sorted(p.name for p in store.iterdir())
     response = server.register("tiny.mar")
     assert response.status_code == 409, response.text
     assert "1.0 is already registered for model tiny" in response.json()["message"]
+    assert sorted(p.name for p in store.iterdir()) == before
     assert server.predict("tiny", ONE).status_code == 200
 
 
