@@ -7,8 +7,11 @@ the real model, put through what production does to a server.
 Writes ``benchmarks/results/SCENARIO/reliability.json`` (the keys below), ``summary.txt`` and
 ``disruptions.png`` (each request of the disruption phases: latency against time, by status):
 
+* ``max_load_rps``: the highest open-loop rate of one-item requests served with no error and a
+  p99 within 4x that of a light load (at least 50 ms), in steps of a tenth of a closed loop's
+  throughput (the load generator shares the 2 cores); the phases below run at fractions of it;
 * ``soak_s``, ``soak_requests``, ``soak_errors``, ``soak_rss_growth_pct``: an open loop at 80% of
-  the measured max load; RSS of the frontend and workers, after the first tenth against the end;
+  the max load; RSS of the frontend and workers, after the first tenth against the end;
 * ``kill_worker_failed_requests``, ``kill_worker_inflight``, ``kill_worker_recovery_s``: one of two
   workers killed with SIGKILL under load; failed requests against those in flight when the death
   showed (sent before its first failed answer, answered after the kill); recovery: kill -> both
@@ -118,8 +121,8 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
         auth = server.auth("inference")
         _ok(server.register(f"{name}.mar", batch_size=32, max_batch_delay=5))
         run_closed_loop(url, auth, one_item, 8, 2.0, 10**6)  # warm-up
-        max_rps = run_closed_loop(url, auth, one_item, 32, scenario.phase_s, 10**7).requests_per_s
-        figures["max_load_rps"] = max_rps
+        figures.update(_max_load(url, auth, one_item, scenario.phase_s))
+        max_rps = figures["max_load_rps"]
         phase("max load")
 
         baseline = run_open_loop(url, auth, one_item, 0.5 * max_rps, scenario.phase_s)
@@ -168,6 +171,7 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
         (store / "1.0" / f"{name}-v2.mar").symlink_to((store / "2.0" / f"{name}.mar").resolve())
         swap, swap_at = _version_swap(server, name, url, auth, one_item, 0.5 * max_rps)
         figures["version_swap_failed_requests"] = _failed(swap)
+        figures["version_swap_statuses"] = swap.statuses
         timelines["version 1.0 -> 2.0 (register, set-default, unregister)"] = (swap, swap_at)
         phase("version swap")
 
@@ -183,6 +187,31 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
 
 
 # -- phases ---------------------------------------------------------------------------------------
+
+
+def _max_load(url: str, auth: dict, traffic: Traffic, seconds: float) -> dict:
+    """The highest open-loop rate the server sustains: every request answered 200 with a p99
+    within 4x that of a light load (at least 50 ms). Rates step up by tenths of a closed loop's
+    throughput (32 senders); the load generator shares the machine's cores, so what it can send is
+    part of the limit."""
+    closed_rps = run_closed_loop(url, auth, traffic, 32, seconds, 10**7).requests_per_s
+    light = run_open_loop(url, auth, traffic, 0.2 * closed_rps, seconds)
+    bound_ms = max(50.0, 4 * light.latency_ms["p99"])
+    sustained = 0.2 * closed_rps
+    steps = {}
+    for tenths in range(4, 11):
+        rate = tenths / 10 * closed_rps
+        result = run_open_loop(url, auth, traffic, rate, seconds)
+        steps[f"{rate:.0f}"] = {"p99_ms": result.latency_ms.get("p99"), "statuses": result.statuses}
+        if _failed(result) or result.latency_ms["p99"] > bound_ms:
+            break
+        sustained = rate
+    return {
+        "closed_loop_rps": closed_rps,
+        "light_load_p99_ms": light.latency_ms["p99"],
+        "max_load_steps": steps,
+        "max_load_rps": sustained,
+    }
 
 
 def _soak(server: LocalTorchServe, url: str, auth: dict, traffic: Traffic, rate: float, seconds: float) -> dict:

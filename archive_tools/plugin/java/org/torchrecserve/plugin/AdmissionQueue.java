@@ -24,8 +24,9 @@ import org.pytorch.serve.wlm.Model;
  * n} requests wait would wait about {@code n x request time / ready workers} (or the batches of
  * the model's batch size those make, whichever is less: {@link #predictedWaitNs}); it is answered
  * at once with a 503 when that exceeds the target, so that accepted requests wait about one target at
- * most. The target is {@code guard.max_queue_wait_ms}, or four batch times (at least 50 ms: a
- * closed loop of 32 clients on an unbatched model is not shed) when it is 0.
+ * most. The target is {@code guard.max_queue_wait_ms}, or four batch times (at least 100 ms:
+ * a closed loop of 32 clients on an unbatched model, or a worker loading beside the others on a
+ * small host, is not shed) when it is 0.
  *
  * <p>Also answered at once with a 503 naming the reason: a request when the queue holds {@code
  * jobQueueSize} requests (the memory bound), when the model has no ready worker (one stopped
@@ -35,7 +36,7 @@ import org.pytorch.serve.wlm.Model;
  */
 final class AdmissionQueue extends LinkedBlockingDeque<Job> {
     private static final long serialVersionUID = 1L;
-    private static final long MIN_TARGET_NS = TimeUnit.MILLISECONDS.toNanos(50);
+    private static final long MIN_TARGET_NS = TimeUnit.MILLISECONDS.toNanos(100);
     private static final long MIN_HANG_NS = TimeUnit.MILLISECONDS.toNanos(2000);
 
     /** A worker's current batch: when it took the first request, and how many it took. */

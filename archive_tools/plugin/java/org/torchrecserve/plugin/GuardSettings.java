@@ -16,7 +16,7 @@ import org.slf4j.LoggerFactory;
  *
  * <pre>
  * guard:
- *   max_queue_wait_ms: 0   # 0: four times the batch time, at least 50 ms
+ *   max_queue_wait_ms: 0   # 0: four times the batch time, at least 100 ms
  *   hang_after_ms: 0       # 0: 20 times the batch time, at least 2000 ms
  *   drain_timeout_s: 30    # how long a scale-down or unregister waits for running batches
  * </pre>
