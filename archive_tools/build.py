@@ -218,6 +218,7 @@ def _stage(staging: Path, spec: ModelSpec, factory: DLRMFactory, weights: Infere
     spec.to_yaml(staging / SPEC_FILE)
     input_schema(spec).save(staging / INPUTS_FILE)
     factory.save_weights(weights, staging / "weights.pt")
+    factory.tables_layout(staging / "weights.pt").save(staging)  # where deltas write, and the base
 
 
 def _package(

@@ -23,7 +23,11 @@ from pathlib import Path
 SOURCES = Path(__file__).resolve().parent / "plugin" / "java"
 BUILD = Path(__file__).resolve().parent / "plugin" / "build"
 JAR_NAME = "torchrec-serve-plugin.jar"
-ENDPOINTS = ("org.torchrecserve.plugin.ModelsEndpoint", "org.torchrecserve.plugin.PingEndpoint")
+ENDPOINTS = (
+    "org.torchrecserve.plugin.ModelsEndpoint",
+    "org.torchrecserve.plugin.PingEndpoint",
+    "org.torchrecserve.plugin.FreshnessEndpoint",
+)
 SERVICE_FILE = "META-INF/services/org.pytorch.serve.servingsdk.ModelServerEndpoint"
 
 

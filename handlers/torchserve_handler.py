@@ -33,6 +33,7 @@ import orjson
 import torch
 
 from handlers.loading import load_service
+from handlers.runtime.freshness.worker import LockedRunner, WorkerFreshness
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH
@@ -47,6 +48,7 @@ class DLRMHandler:
         self.service: ScoringService | None = None
         self.metrics: MetricsPublisher | None = None
         self.description: dict[str, Any] = {}
+        self.freshness: WorkerFreshness | str | None = None  # or why the archive takes no deltas
 
     def initialize(self, context: Any) -> None:
         started = time.perf_counter()
@@ -54,6 +56,10 @@ class DLRMHandler:
         gpu_id = context.system_properties.get("gpu_id")
         options = HandlerOptions.from_mapping((context.model_yaml_config or {}).get("handler"))
         self.service = load_service(model_dir, options, gpu_id, model_name=context.model_name)
+        self.freshness = WorkerFreshness.open(model_dir, options)
+        if isinstance(self.freshness, WorkerFreshness):
+            self.service.model = LockedRunner(self.service.model, self.freshness.lock)
+            self.freshness.start()  # the model's delta log replayed before the first request
         self.metrics = MetricsPublisher(options.metrics_flush_s)
         gc.collect()
         gc.freeze()
@@ -79,6 +85,9 @@ class DLRMHandler:
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[bytes]:
         assert self.service is not None, "initialize() was not called"
         if context.get_request_header(0, "describe") == "True":  # GET /models/NAME?customized=true
+            call = context.get_request_header(0, "freshness")  # the plugin's freshness calls
+            if call is not None:
+                return [orjson.dumps(self._freshness_call(call))]
             self.metrics.flush(context)  # type: ignore[union-attr]  # so that a scrape now is exact
             return [orjson.dumps(self.description)]
         payloads = [_payload(row, context, index) for index, row in enumerate(data)]
@@ -90,6 +99,17 @@ class DLRMHandler:
             for name, value in response.headers.items():
                 context.set_response_header(index, name, value)
         return [r.body for r in handled.responses]
+
+
+    def _freshness_call(self, call: str) -> dict[str, Any]:
+        if not isinstance(self.freshness, WorkerFreshness):
+            return {"status": 409, "type": "Conflict", "message": self.freshness or "no freshness"}
+        try:
+            parsed = orjson.loads(call)
+        except orjson.JSONDecodeError as e:
+            return {"status": 400, "type": "BadRequest", "message": f"freshness call: {e}"}
+        answer = self.freshness.command(parsed)
+        return {**answer, "pid": os.getpid()}
 
 
 def _payload(row: dict[str, Any], context: Any, index: int) -> Arrival:

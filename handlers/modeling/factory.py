@@ -38,6 +38,7 @@ from handlers.modeling.weights import (
     load_weights_file,
     save_weights_file,
 )
+from handlers.runtime.freshness.layout import TableLayout, TablesLayout, fingerprint
 
 from fbgemm_gpu.split_table_batched_embeddings_ops_inference import rounded_row_size_in_bytes  # isort: skip
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig  # isort: skip
@@ -141,6 +142,24 @@ class DLRMFactory:
             for module in tbe.tbes(self._quant_model(torch.device("cpu")))
             for name, rows, dim, sparse_type, *_ in module.embedding_specs
         }
+
+    def tables_layout(self, weights_file: str | Path) -> TablesLayout:
+        """Where each table's rows lie in the TBE buffers of a saved ``weights.pt`` (what a delta
+        writes into), with the fingerprint of its contents."""
+        model = self._quant_model(torch.device("cpu"))
+        dtypes = {t.name: t.weight_dtype.value for t in self.spec.tables}
+        tables = []
+        buffers, dense = load_weights_file(Path(weights_file), len(tbe.tbes(model)))
+        self._attach_all(model, buffers)
+        for index, (module, buffer) in enumerate(zip(tbe.tbes(model), buffers)):
+            views = module.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)
+            for (name, rows, dim, sparse_type, *_), (view, *_) in zip(module.embedding_specs, views):
+                row_bytes = rounded_row_size_in_bytes(dim, sparse_type, tbe.ROW_ALIGNMENT)
+                offset = view.data_ptr() - buffer.data_ptr()  # FBGEMM places the tables itself
+                if view.shape[0] > 1 and view.stride(0) != row_bytes:
+                    raise ValueError(f"table {name}: rows {view.stride(0)} bytes apart, expected {row_bytes}")
+                tables.append(TableLayout(name, dtypes[name], dim, rows, row_bytes, index, offset))
+        return TablesLayout(fingerprint(buffers, dense), tuple(tables), self.spec.is_sharded)
 
     def save_weights(self, weights: InferenceWeights, path: str | Path) -> None:
         """``weights.pt``: one flat buffer per TBE, in FBGEMM's layout, plus the dense state."""

@@ -3,9 +3,16 @@ package org.torchrecserve.plugin;
 import java.util.Map;
 import java.util.UUID;
 import java.util.concurrent.CompletableFuture;
+import java.util.concurrent.ExecutionException;
+import java.util.concurrent.TimeUnit;
+import java.util.concurrent.TimeoutException;
+import org.pytorch.serve.http.RequestTimeoutException;
+import org.pytorch.serve.http.ServiceUnavailableException;
 import org.pytorch.serve.job.Job;
 import org.pytorch.serve.util.messages.RequestInput;
 import org.pytorch.serve.util.messages.WorkerCommands;
+import org.pytorch.serve.wlm.Model;
+import org.pytorch.serve.wlm.ModelManager;
 
 /**
  * A describe call to whichever worker of a model takes it first, answered into a future: the
@@ -18,13 +25,35 @@ final class DescribeJob extends Job {
     final CompletableFuture<byte[]> answer = new CompletableFuture<>();
 
     DescribeJob(String modelName, String version) {
-        super(modelName, version, WorkerCommands.DESCRIBE, describeInput());
+        this(modelName, version, null);
     }
 
-    private static RequestInput describeInput() {
+    /** With {@code freshness}: one of the handler's freshness calls (JSON), answered in JSON. */
+    DescribeJob(String modelName, String version, String freshness) {
+        super(modelName, version, WorkerCommands.DESCRIBE, describeInput(freshness));
+    }
+
+    private static RequestInput describeInput(String freshness) {
         RequestInput input = new RequestInput(UUID.randomUUID().toString());
         input.updateHeaders("describe", "True"); // as TorchServe's own ?customized=true does
+        if (freshness != null) {
+            input.updateHeaders("freshness", freshness);
+        }
         return input;
+    }
+
+    /** Queues the call for a worker of {@code model} and waits for its answer. */
+    byte[] call(Model model) throws Exception {
+        if (!ModelManager.getInstance().addJob(this)) {
+            throw new ServiceUnavailableException(Guard.label(model) + " has no worker to take the call");
+        }
+        try {
+            return answer.get(model.getResponseTimeout(), TimeUnit.SECONDS);
+        } catch (TimeoutException e) {
+            throw new RequestTimeoutException("no worker of " + Guard.label(model) + " answered");
+        } catch (ExecutionException e) {
+            throw new ServiceUnavailableException(e.getCause().getMessage());
+        }
     }
 
     @Override

@@ -15,7 +15,6 @@ import java.util.List;
 import java.util.Map;
 import java.util.concurrent.ConcurrentHashMap;
 import java.util.concurrent.TimeUnit;
-import java.util.concurrent.TimeoutException;
 import java.util.regex.Pattern;
 import java.util.zip.ZipEntry;
 import java.util.zip.ZipFile;
@@ -27,7 +26,6 @@ import org.pytorch.serve.http.BadRequestException;
 import org.pytorch.serve.http.ConflictStatusException;
 import org.pytorch.serve.http.InvalidModelVersionException;
 import org.pytorch.serve.http.MethodNotAllowedException;
-import org.pytorch.serve.http.RequestTimeoutException;
 import org.pytorch.serve.http.ServiceUnavailableException;
 import org.pytorch.serve.http.StatusResponse;
 import org.pytorch.serve.http.messages.DescribeModelResponse;
@@ -133,17 +131,7 @@ public final class ModelsEndpoint extends ModelServerEndpoint {
         boolean customized = Boolean.parseBoolean(param(query, "customized", "false"));
         List<DescribeModelResponse> description = ApiUtils.getModelDescription(name, version);
         if (customized && !"all".equals(version)) {
-            Model model = model(name, version);
-            DescribeJob job = new DescribeJob(name, version);
-            if (!ModelManager.getInstance().addJob(job)) {
-                throw new ServiceUnavailableException(ApiUtils.getDescribeErrorResponseMessage(name));
-            }
-            byte[] body;
-            try {
-                body = job.answer.get(model.getResponseTimeout(), TimeUnit.SECONDS);
-            } catch (TimeoutException e) {
-                throw new RequestTimeoutException("no worker of " + Guard.label(model) + " answered the describe call");
-            }
+            byte[] body = new DescribeJob(name, version).call(model(name, version));
             if (body.length > 0 && description.size() == 1) {
                 description.get(0).setCustomizedMetadata(body);
             }
@@ -201,6 +189,7 @@ public final class ModelsEndpoint extends ModelServerEndpoint {
                 false);
         String name = archive.getModelName();
         String version = archive.getModelVersion();
+        Freshness.writePointer(name, archive.getModelDir()); // workers replay the delta log at load
         try { // admission control before any worker polls
             Guard.get().queue(model(name, version), guardOverrides(query));
         } catch (BadRequestException e) {
@@ -351,7 +340,7 @@ public final class ModelsEndpoint extends ModelServerEndpoint {
         }
     }
 
-    private static Model model(String name, String version) throws Exception {
+    static Model model(String name, String version) throws Exception {
         Model model = ModelManager.getInstance().getModel(name, version);
         if (model == null) {
             throw new ModelNotFoundException("Model not found: " + name);
@@ -393,7 +382,7 @@ public final class ModelsEndpoint extends ModelServerEndpoint {
         return overrides;
     }
 
-    private static String param(QueryStringDecoder query, String name, String fallback) {
+    static String param(QueryStringDecoder query, String name, String fallback) {
         List<String> values = query.parameters().get(name);
         return values == null || values.isEmpty() ? fallback : values.get(0);
     }

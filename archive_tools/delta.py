@@ -1,0 +1,188 @@
+"""``torchrec-serve delta``: the rows of a served model's tables that a newer checkpoint changed,
+quantized exactly as a fresh build would quantize them, written as one delta file.
+
+    make_delta(archive, DeltaSource(checkpoint=Path("trained-2.pt")), out, sequence=1)
+    make_delta(archive, DeltaSource(rows=Path("touched.pt")), out, sequence=2)
+        # touched.pt: {"cat_0": {"ids": int64 [n], "rows": float [n, dim]}, ...}
+
+From a checkpoint, every row is quantized in chunks and compared with the archive's own bytes: only
+rows whose served bytes differ go into the delta, and no table is held twice in memory. Row-wise
+quantization (an fp16 scale and bias per row) makes a row's bytes depend on that row alone, so a
+changed row is byte-identical to what a full build from the checkpoint holds (``verify_delta``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from handlers.modeling.checkpoint import read_checkpoint
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.registry import load_spec
+from handlers.modeling.spec import ModelSpec
+from handlers.runtime.artifacts import aoti_weights_file
+from handlers.runtime.freshness.delta_file import DeltaWriter, read_delta
+from handlers.runtime.freshness.layout import LAYOUT_FILE, TableLayout, TablesLayout, table_buffers
+from handlers.runtime import fbgemm_ops  # noqa: F401  FBGEMM's quantization operators
+
+SPEC_FILE = "spec.yaml"
+CHUNK_ROWS = 1 << 18
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaSource:
+    """Where the new rows come from: a trained checkpoint (the same names ``build`` takes), or a
+    file of changed rows per table (``{table: {"ids": int64 [n], "rows": float [n, dim]}}``)."""
+
+    checkpoint: Path | None = None
+    rows: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.checkpoint is None) == (self.rows is None):
+            raise ValueError("a delta comes from a checkpoint or from a rows file: give one")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaSummary:
+    path: Path
+    rows_by_table: dict[str, int]
+    bytes: int
+
+
+def served_rows(floats: torch.Tensor, table: TableLayout) -> np.ndarray:
+    """Float rows [n, dim] -> their bytes as the table holds them, uint8 [n, row_bytes]: int8/int4
+    as FBGEMM's row-wise quantization (fp16 scale and bias first, then the packed values), fp16 and
+    fp32 as they are; zero padding to the row size."""
+    floats = floats.detach().float().contiguous()
+    if table.dtype in ("int8", "int4"):
+        fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(floats, 8 if table.dtype == "int8" else 4)
+        values, scale_bias = fused[:, :-4], fused[:, -4:]  # the fused format keeps scale/bias last
+        packed = torch.cat([scale_bias, values], dim=1)
+    else:
+        packed = floats.to(torch.float16 if table.dtype == "fp16" else torch.float32).view(torch.uint8)
+    out = np.zeros((floats.shape[0], table.row_bytes), np.uint8)
+    out[:, : packed.shape[1]] = packed.numpy()
+    return out
+
+
+def table_rows(buffer: torch.Tensor, table: TableLayout) -> np.ndarray:
+    """The table's rows in a TBE buffer, uint8 [rows, row_bytes] (a view)."""
+    flat = buffer.numpy()
+    return flat[table.offset : table.offset + table.rows * table.row_bytes].reshape(table.rows, table.row_bytes)
+
+
+def make_delta(archive: Path, source: DeltaSource, out: Path, sequence: int, name: str | None = None) -> DeltaSummary:
+    """Writes the delta for ``archive``'s model at ``out`` (one pass, progress on stderr)."""
+    with _BaseArchive(archive) as base:
+        rows: dict[str, int] = {}
+        with DeltaWriter(out, model=name or base.spec.name, base=base.layout.fingerprint, sequence=sequence) as writer:
+            changes = _from_checkpoint(base, source.checkpoint) if source.checkpoint else _from_rows(base, source.rows)
+            for table, ids, data in changes:
+                if len(ids):
+                    writer.add(table, ids, data)
+                    rows[table.name] = rows.get(table.name, 0) + len(ids)
+    return DeltaSummary(Path(out), rows, Path(out).stat().st_size)
+
+
+def verify_delta(archive: Path, delta_path: Path, checkpoint: Path) -> list[str]:
+    """The archive's rows with the delta applied, against the rows of a fresh build from
+    ``checkpoint`` (TorchRec's whole-table quantization, as ``build`` runs it): the tables whose
+    bytes differ (empty: byte-identical)."""
+    with _BaseArchive(archive) as base, tempfile.TemporaryDirectory(prefix="delta-verify-") as tmp:
+        delta = read_delta(delta_path, base.layout)
+        factory = DLRMFactory(base.spec)
+        model = factory.float_model(seed=0)
+        factory.load_checkpoint(model, read_checkpoint(checkpoint))
+        fresh_file = Path(tmp) / "weights.pt"
+        factory.save_weights(factory.quantize(model), fresh_file)
+        fresh = table_buffers(torch.load(fresh_file, mmap=True, weights_only=True))
+        differing = []
+        for table in base.layout.tables:
+            current = table_rows(base.buffers[table.buffer], table).copy()
+            section = next((s for s in delta.header.tables if s.name == table.name), None)
+            if section is not None:
+                records = delta.records(section)
+                current[records["id"]] = records["row"]
+            if not np.array_equal(current, table_rows(fresh[table.buffer], table)):
+                differing.append(table.name)
+        return differing
+
+
+class _BaseArchive:
+    """An archive's spec, layout and table buffers (mapped), extracted to a temporary folder from a
+    ``.mar``."""
+
+    def __init__(self, archive: Path) -> None:
+        self.archive = Path(archive)
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def __enter__(self) -> "_BaseArchive":
+        folder = self.archive
+        if not folder.is_dir():
+            self._tmp = tempfile.TemporaryDirectory(prefix="delta-base-")
+            folder = Path(self._tmp.name)
+            with zipfile.ZipFile(self.archive) as z:
+                wanted = [n for n in z.namelist() if n in (SPEC_FILE, LAYOUT_FILE) or n.endswith("weights.pt")]
+                z.extractall(folder, wanted)
+        if not (folder / LAYOUT_FILE).exists():
+            raise FileNotFoundError(f"{self.archive}: no {LAYOUT_FILE}; rebuild it with this version to publish deltas")
+        self.spec: ModelSpec = load_spec(folder / SPEC_FILE)
+        self.layout = TablesLayout.load(folder)
+        weights_files = sorted(folder.glob("*weights.pt"))
+        weights = torch.load(_sparse_weights(weights_files), mmap=True, weights_only=True)
+        self.buffers = table_buffers(weights)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def _sparse_weights(files: list[Path]) -> Path:
+    """The weights file that holds the tables: weights.pt, else a compiled package's (the sparse
+    part's, in a split archive)."""
+    names = {f.name: f for f in files}
+    for name in ("weights.pt", aoti_weights_file(Path("model_aoti.pt2")).name, aoti_weights_file(Path("sparse_aoti.pt2")).name):
+        if name in names:
+            return names[name]
+    raise FileNotFoundError(f"no table weights among {sorted(names)}")
+
+
+def _from_checkpoint(base: _BaseArchive, checkpoint: Path) -> Iterator[tuple[TableLayout, np.ndarray, np.ndarray]]:
+    factory = DLRMFactory(base.spec)
+    model = factory.float_model(seed=0)
+    factory.load_checkpoint(model, read_checkpoint(checkpoint))
+    weights = {name.rsplit(".", 1)[0].rsplit(".", 1)[-1]: p for name, p in model.named_parameters()
+               if ".embedding_bags." in name}
+    with tqdm(total=sum(t.rows for t in base.layout.tables), desc="delta", unit="row", unit_scale=True) as bar:
+        for table in base.layout.tables:
+            old = table_rows(base.buffers[table.buffer], table)
+            for start in range(0, table.rows, CHUNK_ROWS):
+                end = min(table.rows, start + CHUNK_ROWS)
+                new = served_rows(weights[table.name][start:end], table)
+                changed = np.flatnonzero((new != old[start:end]).any(axis=1))
+                yield table, changed + start, new[changed]
+                bar.update(end - start)
+
+
+def _from_rows(base: _BaseArchive, path: Path) -> Iterator[tuple[TableLayout, np.ndarray, np.ndarray]]:
+    given = torch.load(path, map_location="cpu", weights_only=True)
+    for name, entry in given.items():
+        table = base.layout.table(name)
+        if table is None:
+            raise ValueError(f"{path}: no table {name!r} in the model; it has {[t.name for t in base.layout.tables]}")
+        ids, floats = torch.as_tensor(entry["ids"], dtype=torch.int64), torch.as_tensor(entry["rows"])
+        if floats.shape != (len(ids), table.dim):
+            raise ValueError(f"{path}: {name}.rows must be [{len(ids)}, {table.dim}], got {list(floats.shape)}")
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= table.rows):
+            raise ValueError(f"{path}: {name}.ids must lie in 0..{table.rows - 1}")
+        for start in range(0, len(ids), CHUNK_ROWS):
+            chunk = slice(start, start + CHUNK_ROWS)
+            yield table, ids[chunk].numpy(), served_rows(floats[chunk], table)

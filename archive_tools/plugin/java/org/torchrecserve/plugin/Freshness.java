@@ -1,0 +1,75 @@
+package org.torchrecserve.plugin;
+
+import com.google.gson.JsonObject;
+import com.google.gson.JsonParser;
+import java.io.File;
+import java.io.IOException;
+import java.nio.channels.FileChannel;
+import java.nio.charset.StandardCharsets;
+import java.nio.file.Files;
+import java.nio.file.Path;
+import java.nio.file.StandardCopyOption;
+import java.nio.file.StandardOpenOption;
+import java.util.Map;
+import org.pytorch.serve.util.ConfigManager;
+
+/**
+ * Where a model's delta log lives, and writing to it durably.
+ *
+ * <p>The log of a served archive is {@code <model store>/deltas/<model>/<base>/log/<sequence>.delta}
+ * ({@code base}: the first 16 hex digits of the archive's fingerprint, from its {@code
+ * tables.json}): it survives restarts, and an archive with other weights starts a log of its own.
+ * The plugin names the log in the model's extracted folder ({@code freshness-log.json}) when it
+ * registers the model, before any worker loads, so that every worker replays it at load.
+ */
+final class Freshness {
+    static final String POINTER = "freshness-log.json";
+    static final String LAYOUT = "tables.json";
+
+    private Freshness() {}
+
+    static File deltasDir() {
+        return new File(ConfigManager.getInstance().getModelStore(), "deltas").getAbsoluteFile();
+    }
+
+    /** The archive's log folder, or null when the archive has no table layout (built before). */
+    static File logDir(String modelName, File modelDir) {
+        File layout = new File(modelDir, LAYOUT);
+        if (!layout.isFile()) {
+            return null;
+        }
+        try {
+            JsonObject parsed = JsonParser.parseString(Files.readString(layout.toPath())).getAsJsonObject();
+            String base = parsed.get("fingerprint").getAsString().substring(0, 16);
+            return new File(new File(new File(deltasDir(), modelName), base), "log");
+        } catch (IOException | RuntimeException e) {
+            return null;
+        }
+    }
+
+    /** Names the log in the model's folder (before its workers load). */
+    static void writePointer(String modelName, File modelDir) throws IOException {
+        File log = logDir(modelName, modelDir);
+        if (log == null) {
+            return;
+        }
+        String json = Replies.COMPACT.toJson(Map.of("log", log.getPath()));
+        Files.writeString(new File(modelDir, POINTER).toPath(), json, StandardCharsets.UTF_8);
+    }
+
+    /** Copies {@code delta} into the log as {@code sequence}, on disk before it returns. */
+    static File append(File delta, File log, long sequence) throws IOException {
+        Files.createDirectories(log.toPath());
+        Path target = new File(log, String.format("%08d.delta", sequence)).toPath();
+        Path staged = new File(log, String.format(".%08d.delta.partial", sequence)).toPath();
+        Files.copy(delta.toPath(), staged, StandardCopyOption.REPLACE_EXISTING);
+        try (FileChannel file = FileChannel.open(staged, StandardOpenOption.WRITE)) {
+            file.force(true);
+        }
+        Files.move(staged, target, StandardCopyOption.ATOMIC_MOVE);
+        try (FileChannel dir = FileChannel.open(log.toPath(), StandardOpenOption.READ)) {
+            dir.force(true); // the rename itself
+        }
+        return target.toFile();
+    }
+}

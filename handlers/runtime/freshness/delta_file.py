@@ -1,0 +1,218 @@
+"""The delta file: the rows of a model's tables that changed, in their served form, for one
+publish. Written in one pass (a table of any size streams through in chunks), read back by
+mapping it, and checked whole before anything is applied.
+
+Layout: the table sections, then a JSON header, then the header's length (u64, little-endian) and
+the magic ``TRSDELT1``::
+
+    [section 0: count x (id int64 LE, row row_bytes)] [section 1] ... [header JSON] [u64] [magic]
+
+    {"format": 1, "model": "criteo", "base": "<fingerprint of the archive's weights>",
+     "sequence": 3, "created_at": "2026-11-23T07:00:00+00:00",
+     "tables": [{"name": "cat_0", "dtype": "int8", "dim": 64, "row_bytes": 68, "count": 1000,
+                 "offset": 0, "sha256": "..."}]}
+
+A row is exactly what the table holds (``layout.TableLayout``), so applying one is a copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import os
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import orjson
+
+from handlers.runtime.errors import BadRequest
+from handlers.runtime.freshness.layout import TableLayout, TablesLayout
+
+MAGIC = b"TRSDELT1"
+FORMAT = 1
+_TRAILER = struct.Struct("<Q8s")
+
+
+def record_dtype(row_bytes: int) -> np.dtype:
+    """One record of a table section: the row id and its bytes."""
+    return np.dtype([("id", "<i8"), ("row", np.uint8, (row_bytes,))])
+
+
+class DeltaError(BadRequest):
+    """A delta that cannot be applied; the field names the part of it that is wrong."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(field, problem, "bad_delta")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSection:
+    name: str
+    dtype: str
+    dim: int
+    row_bytes: int
+    count: int
+    offset: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaHeader:
+    model: str
+    base: str
+    sequence: int
+    created_at: str
+    tables: tuple[TableSection, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(t.count for t in self.tables)
+
+
+class DeltaWriter:
+    """Writes one delta file; ``path`` appears only when ``close()`` completes it.
+
+        with DeltaWriter(path, model="criteo", base=layout.fingerprint, sequence=1) as out:
+            out.add(layout.table("cat_0"), ids, rows)       # int64 [n], uint8 [n, row_bytes]
+    """
+
+    def __init__(self, path: Path, *, model: str, base: str, sequence: int) -> None:
+        self.path = Path(path)
+        self._partial = self.path.with_name(self.path.name + ".partial")
+        self._file = open(self._partial, "wb")
+        self._header = {"format": FORMAT, "model": model, "base": base, "sequence": sequence,
+                        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+        self._sections: dict[str, dict] = {}
+        self._hashes: dict[str, "hashlib._Hash"] = {}
+        self._current: str | None = None
+
+    def add(self, table: TableLayout, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Appends rows of ``table``; a table's chunks must come one after another."""
+        if table.name in self._sections and self._current != table.name:
+            raise ValueError(f"table {table.name}: its rows must be added in one run")
+        if table.name not in self._sections:
+            self._sections[table.name] = {
+                "name": table.name, "dtype": table.dtype, "dim": table.dim, "row_bytes": table.row_bytes,
+                "count": 0, "offset": self._file.tell(),
+            }
+            self._hashes[table.name] = hashlib.sha256()
+        self._current = table.name
+        ids = np.asarray(ids, dtype=np.int64)
+        rows = np.asarray(rows, dtype=np.uint8)
+        if rows.shape != (len(ids), table.row_bytes):
+            raise ValueError(f"table {table.name}: rows must be uint8 [{len(ids)}, {table.row_bytes}], got {rows.shape}")
+        records = np.empty(len(ids), record_dtype(table.row_bytes))
+        records["id"] = ids
+        records["row"] = rows
+        data = records.tobytes()
+        self._file.write(data)
+        self._hashes[table.name].update(data)
+        self._sections[table.name]["count"] += len(ids)
+
+    def close(self) -> Path:
+        tables = []
+        for name, section in self._sections.items():
+            tables.append({**section, "sha256": self._hashes[name].hexdigest()})
+        header = orjson.dumps({**self._header, "tables": tables})
+        self._file.write(header)
+        self._file.write(_TRAILER.pack(len(header), MAGIC))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._partial, self.path)
+        return self.path
+
+    def __enter__(self) -> "DeltaWriter":
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._file.close()
+            self._partial.unlink(missing_ok=True)
+
+
+@dataclasses.dataclass
+class Delta:
+    """A delta file, read and checked against the served layout."""
+
+    path: Path
+    header: DeltaHeader
+    _data: np.ndarray  # the file, mapped
+
+    def records(self, table: TableSection) -> np.ndarray:
+        """The table's (id, row) records, mapped from the file."""
+        end = table.offset + table.count * record_dtype(table.row_bytes).itemsize
+        return self._data[table.offset : end].view(record_dtype(table.row_bytes))
+
+    def chunks(self, table: TableSection, rows_per_chunk: int) -> Iterator[np.ndarray]:
+        records = self.records(table)
+        for start in range(0, len(records), rows_per_chunk):
+            yield records[start : start + rows_per_chunk]
+
+
+def read_header(path: Path) -> DeltaHeader:
+    """The header alone; a file that is not a whole delta is a ``DeltaError``."""
+    return _read_header(path)[0]
+
+
+def _read_header(path: Path) -> tuple[DeltaHeader, int]:
+    """(the header, where it starts: the sections end there)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as file:
+        if size < _TRAILER.size:
+            raise DeltaError("delta", f"{size} bytes: truncated, or not a delta file")
+        file.seek(size - _TRAILER.size)
+        length, magic = _TRAILER.unpack(file.read(_TRAILER.size))
+        if magic != MAGIC or length > size - _TRAILER.size:
+            raise DeltaError("delta", "no delta trailer at the end: truncated, or not a delta file")
+        file.seek(size - _TRAILER.size - length)
+        try:
+            raw = orjson.loads(file.read(length))
+            if raw.get("format") != FORMAT:
+                raise DeltaError("delta.format", f"must be {FORMAT}, got {raw.get('format')!r}")
+            header = DeltaHeader(
+                model=str(raw["model"]), base=str(raw["base"]), sequence=int(raw["sequence"]),
+                created_at=str(raw["created_at"]),
+                tables=tuple(TableSection(**t) for t in raw["tables"]),
+            )
+            return header, size - _TRAILER.size - length
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise DeltaError("delta.header", f"unreadable: {e}") from None
+
+
+def read_delta(path: Path, layout: TablesLayout) -> Delta:
+    """The delta at ``path``, every section checked against ``layout`` (table, dtype, dim, row
+    size), its checksum, and its ids (inside the table, each at most once). Raises ``DeltaError``
+    naming what is wrong; nothing is applied from a delta that fails."""
+    header, header_start = _read_header(path)
+    delta = Delta(Path(path), header, np.memmap(path, dtype=np.uint8, mode="r"))
+    seen: set[str] = set()
+    for section in header.tables:
+        field = f"tables.{section.name}"
+        table = layout.table(section.name)
+        if table is None:
+            raise DeltaError(field, "no such table in the served model")
+        if section.name in seen:
+            raise DeltaError(field, "given twice")
+        seen.add(section.name)
+        for key in ("dtype", "dim", "row_bytes"):
+            if getattr(section, key) != getattr(table, key):
+                raise DeltaError(f"{field}.{key}", f"is {getattr(section, key)!r}, the served table's is {getattr(table, key)!r}")
+        end = section.offset + section.count * record_dtype(section.row_bytes).itemsize
+        if section.offset < 0 or section.count < 0 or end > header_start:
+            raise DeltaError(field, "its rows lie outside the file: truncated")
+        records = delta.records(section)
+        if hashlib.sha256(records.data).hexdigest() != section.sha256:
+            raise DeltaError(f"{field}.sha256", "does not match its rows: the file is damaged")
+        ids = records["id"]
+        if len(ids) and (ids.min() < 0 or ids.max() >= table.rows):
+            bad = int(ids[(ids < 0) | (ids >= table.rows)][0])
+            raise DeltaError(f"{field}.ids", f"id {bad} is outside the table's {table.rows} rows")
+        if len(np.unique(ids)) != len(ids):
+            raise DeltaError(f"{field}.ids", "an id is given more than once")
+    return delta

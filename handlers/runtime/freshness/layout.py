@@ -1,0 +1,96 @@
+"""Where each table's rows lie in the served weights, as FBGEMM lays them out, and the
+fingerprint of the rows an archive was built with.
+
+``tables.json`` (written into every archive by the build)::
+
+    {"fingerprint": "sha256 of the table buffers and dense tensors",
+     "tables": [{"name": "cat_0", "dtype": "int8", "dim": 64, "rows": 100000,
+                 "row_bytes": 68, "buffer": 0, "offset": 0}, ...]}
+
+A table's row ``i`` is the ``row_bytes`` bytes at ``offset + i * row_bytes`` of TBE buffer
+``buffer``: for int8/int4 an fp16 scale and an fp16 bias, then the packed values; for fp16/fp32
+the values; padded with zeros to FBGEMM's row alignment. A delta carries whole rows in this form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import orjson
+import torch
+
+LAYOUT_FILE = "tables.json"
+
+# The TBE buffers' keys in a served weights file: ``tbe.0`` in weights.pt, and
+# ``<module path>.tbes.0.weights_host`` among a compiled package's constants.
+_BUFFER_KEY = re.compile(r"(?:^tbe\.(\d+)$)|(?:\.tbes\.(\d+)\.weights_host$)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableLayout:
+    name: str
+    dtype: str  # the served dtype: fp32, fp16, int8, int4
+    dim: int
+    rows: int
+    row_bytes: int
+    buffer: int  # which TBE buffer
+    offset: int  # byte offset of row 0 in it
+
+
+@dataclasses.dataclass(frozen=True)
+class TablesLayout:
+    """``sharded``: the spec shards its tables, so each worker copies them at load (no delta
+    reaches such copies)."""
+
+    fingerprint: str
+    tables: tuple[TableLayout, ...]
+    sharded: bool = False
+
+    def table(self, name: str) -> TableLayout | None:
+        return next((t for t in self.tables if t.name == name), None)
+
+    def save(self, folder: Path) -> None:
+        (Path(folder) / LAYOUT_FILE).write_bytes(
+            orjson.dumps(
+                {"fingerprint": self.fingerprint, "sharded": self.sharded,
+                 "tables": [dataclasses.asdict(t) for t in self.tables]},
+                option=orjson.OPT_INDENT_2,
+            )
+        )
+
+    @classmethod
+    def load(cls, folder: Path) -> "TablesLayout":
+        raw = orjson.loads((Path(folder) / LAYOUT_FILE).read_bytes())
+        return cls(raw["fingerprint"], tuple(TableLayout(**t) for t in raw["tables"]), bool(raw.get("sharded")))
+
+
+def table_buffers(weights: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The TBE buffers of a loaded weights file (weights.pt or a compiled package's), in order."""
+    found: dict[int, torch.Tensor] = {}
+    for key, tensor in weights.items():
+        match = _BUFFER_KEY.search(key)
+        if match:
+            found[int(match.group(1) or match.group(2))] = tensor
+    if sorted(found) != list(range(len(found))):
+        raise ValueError(f"TBE buffers {sorted(found)} are not numbered 0..{len(found) - 1}")
+    return [found[i] for i in range(len(found))]
+
+
+def fingerprint(buffers: Iterable[torch.Tensor], dense: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over the table buffers (in order) and the dense tensors (by name): what a delta's
+    ``base`` must equal."""
+    sha = hashlib.sha256()
+    for buffer in buffers:
+        flat = buffer.contiguous().view(torch.uint8).reshape(-1)
+        for start in range(0, flat.numel(), 64 << 20):  # the buffer is mapped: read in pieces
+            sha.update(flat[start : start + (64 << 20)].numpy().data)
+    for name in sorted(dense):
+        tensor = dense[name].detach().contiguous()
+        sha.update(name.encode())
+        sha.update(str(tensor.dtype).encode())
+        sha.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return sha.hexdigest()

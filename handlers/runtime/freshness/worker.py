@@ -1,0 +1,212 @@
+"""A worker's side of freshness: the row lock its forwards hold, the commands the plugin sends it
+(through TorchServe's describe call), and the thread that applies the model's delta log.
+
+The model's delta log is a folder the plugin keeps (``<model store>/deltas/<model>/log``, one
+``<sequence>.delta`` per accepted publish, written durably before the publish is answered); the
+plugin names it in ``freshness-log.json`` in the model's folder before the first worker loads. At
+load, a worker applies whatever the log holds beyond the folder's state, unpaced, before it serves
+(a restarted server serves what it served before). Afterwards every worker follows the log: the
+one that holds the writer lock applies new deltas at the model's pace; if it dies, another takes
+the lock and resumes where the state file says.
+
+    freshness = WorkerFreshness.open(model_dir, options)      # None-safe: .unsupported says why
+    with freshness.reading():                                 # around every forward
+        ...
+    freshness.command({"op": "check", "delta": path})         # the plugin's calls -> JSON answer
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import orjson
+import torch
+
+from handlers.runtime.artifacts import Artifact, aoti_weights_file
+from handlers.runtime.batching import Batch
+from handlers.runtime.errors import ServingError
+from handlers.runtime.freshness.applier import AppliedState, Pace, RowLock, TableWriter, apply_delta
+from handlers.runtime.freshness.delta_file import DeltaError, read_delta, read_header
+from handlers.runtime.freshness.layout import LAYOUT_FILE, TablesLayout, table_buffers
+from handlers.runtime.options import HandlerOptions
+
+logger = logging.getLogger(__name__)
+
+LOG_POINTER = "freshness-log.json"
+FOLLOW_EVERY_S = 0.2
+
+
+def log_entries(log: Path) -> dict[int, Path]:
+    """The log's deltas by sequence."""
+    return {int(p.stem): p for p in Path(log).glob("*.delta") if p.stem.isdigit()}
+
+
+def tables_file(model_dir: Path, options: HandlerOptions) -> tuple[Path | None, str | None]:
+    """(the weights file the served tables are mapped from, None) or (None, why deltas cannot
+    reach them)."""
+    artifact, part = options.artifact, "model"
+    if artifact == Artifact.SPLIT:
+        artifact, part = options.split.sparse, "sparse"  # type: ignore[union-attr]
+    if artifact == Artifact.EXPORTED:
+        return None, (
+            "an exported program reads its tables into each worker's memory at load; build the "
+            "archive as aoti or eager (or a split with aoti or eager lookups) to publish deltas"
+        )
+    if artifact == Artifact.EAGER:
+        return model_dir / "weights.pt", None
+    return aoti_weights_file(model_dir / artifact.file_name(part)), None
+
+
+class WorkerFreshness:
+    def __init__(self, model_dir: Path, weights_file: Path, layout: TablesLayout, pace: Pace) -> None:
+        self.model_dir = model_dir
+        self.weights_file = weights_file
+        self.layout = layout
+        self.pace = pace
+        self.lock = RowLock(model_dir)
+        self._writer_lock = RowLock(model_dir)  # its own open file: excludes this process's readers
+        self._writer: TableWriter | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None
+
+    @classmethod
+    def open(cls, model_dir: Path, options: HandlerOptions, pace: Pace = Pace()) -> "WorkerFreshness | str":
+        """The worker's freshness, or why this archive cannot take deltas."""
+        if not (model_dir / LAYOUT_FILE).exists():
+            return f"the archive has no {LAYOUT_FILE}: rebuild it with this version to publish deltas"
+        layout = TablesLayout.load(model_dir)
+        if layout.sharded:
+            return "sharded tables are copied into each worker at load; deltas need unsharded cpu tables"
+        weights_file, unsupported = tables_file(model_dir, options)
+        if weights_file is None:
+            return f"a {options.describe()} archive cannot take deltas: {unsupported}"
+        return cls(model_dir, weights_file, layout, pace)
+
+    # -- serving ---------------------------------------------------------------------------------
+
+    def reading(self) -> contextlib.AbstractContextManager:
+        return self.lock.reading()
+
+    def start(self) -> None:
+        """Replays the log (if the plugin named one) up to its head, then follows it."""
+        log = self._log()
+        if log is not None:
+            self._catch_up(log, paced=False)
+        self._thread = threading.Thread(target=self._follow, name="freshness", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- the plugin's calls ----------------------------------------------------------------------
+
+    def command(self, call: dict[str, Any]) -> dict[str, Any]:
+        """``check``: is the delta at ``call["delta"]`` the log's next (or a duplicate)?
+        ``state``: the applied sequence, rows and this worker's view."""
+        try:
+            if call.get("op") == "check":
+                return self._check(Path(call["delta"]), Path(call["log"]))
+            if call.get("op") == "state":
+                return {"status": 200, **self.state()}
+            return {"status": 400, "field": "op", "message": f"op: unknown {call.get('op')!r}"}
+        except ServingError as error:
+            return {"status": error.status, **error.to_body()}
+
+    def state(self) -> dict[str, Any]:
+        state = AppliedState.read(self.model_dir)
+        log = self._log()
+        head = max(log_entries(log), default=0) if log else 0
+        return {
+            "base": self.layout.fingerprint,
+            "applied_sequence": state.sequence,
+            "log_head": head,
+            "rows_applied": state.rows_applied,
+            "updated_at": state.updated_at,
+            "error": self.error,
+        }
+
+    def _check(self, path: Path, log: Path) -> dict[str, Any]:
+        header = read_header(path)
+        entries = log_entries(log)
+        head = max(entries, default=0)
+        if header.base != self.layout.fingerprint:
+            raise DeltaError("delta.base", f"is {header.base[:16]}..., the served archive's is {self.layout.fingerprint[:16]}...")
+        if header.sequence in entries:
+            if _sha256(entries[header.sequence]) == _sha256(path):
+                return {"status": 200, "duplicate": True, "sequence": header.sequence, "rows": header.rows}
+            raise DeltaError("delta.sequence", f"{header.sequence} was published already, with other contents")
+        if header.sequence != head + 1:
+            raise DeltaError("delta.sequence", f"must be {head + 1} (the log's next), got {header.sequence}")
+        read_delta(path, self.layout)  # every section: table, dtype, dim, checksum, ids
+        return {"status": 200, "duplicate": False, "sequence": header.sequence, "rows": header.rows,
+                "model": header.model}
+
+    # -- applying --------------------------------------------------------------------------------
+
+    def _log(self) -> Path | None:
+        try:
+            return Path(orjson.loads((self.model_dir / LOG_POINTER).read_bytes())["log"])
+        except FileNotFoundError:
+            return None
+
+    def _follow(self) -> None:
+        while not self._stop.wait(FOLLOW_EVERY_S):
+            log = self._log()
+            if log is None:
+                continue
+            try:
+                self._catch_up(log, paced=True)
+                self.error = None
+            except Exception as e:  # a bad log entry must not stop the worker serving
+                if self.error != str(e):
+                    logger.exception("applying the delta log %s failed", log)
+                self.error = str(e)
+
+    def _catch_up(self, log: Path, paced: bool) -> None:
+        entries = log_entries(log)
+        if max(entries, default=0) <= AppliedState.read(self.model_dir).sequence:
+            return
+        with self.lock.sole_writer(self.model_dir) as writer:
+            if not writer:
+                return  # another worker applies them
+            if self._writer is None:
+                buffers = table_buffers(torch.load(self.weights_file, mmap=True, weights_only=True))
+                self._writer = TableWriter(self.weights_file, buffers, self.layout)
+            pace = self.pace if paced else Pace(rows_per_s=float("inf"), chunk_rows=self.pace.chunk_rows)
+            while True:
+                state = AppliedState.read(self.model_dir)
+                path = entries.get(state.sequence + 1)
+                if path is None:
+                    return
+                started = time.perf_counter()
+                delta = read_delta(path, self.layout)
+                apply_delta(delta, self._writer, self._writer_lock, self.model_dir, pace, start_row=state.partial)
+                logger.info("applied delta %d (%d rows) in %.2fs", delta.header.sequence, delta.header.rows,
+                            time.perf_counter() - started)
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+class LockedRunner:
+    """A runner whose every forward holds the model's row lock shared."""
+
+    def __init__(self, runner: Callable[[Batch], torch.Tensor], lock: RowLock) -> None:
+        self.runner = runner
+        self.lock = lock
+
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        with self.lock.reading():
+            return self.runner(batch)

@@ -1,0 +1,176 @@
+"""Delta files read back and checked; rows written in place into a mapped weights file under the
+row lock, never seen torn by a reader of another mapping."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from handlers.runtime.freshness.applier import AppliedState, Pace, RowLock, TableWriter, apply_delta
+from handlers.runtime.freshness.delta_file import DeltaError, DeltaWriter, read_delta, read_header
+from handlers.runtime.freshness.layout import TableLayout, TablesLayout, table_buffers
+
+TABLES = (
+    TableLayout("a", "int8", 8, 1000, 12, buffer=0, offset=0),
+    TableLayout("b", "fp32", 4, 64, 16, buffer=0, offset=12000),
+)
+LAYOUT = TablesLayout("f" * 64, TABLES)
+
+
+def _rows(table: TableLayout, n: int, value: int) -> np.ndarray:
+    return np.full((n, table.row_bytes), value, np.uint8)
+
+
+def _write(path, sequence=1, base=LAYOUT.fingerprint, sections=None):
+    sections = sections if sections is not None else [(TABLES[0], np.array([3, 7, 9]), _rows(TABLES[0], 3, 5))]
+    with DeltaWriter(path, model="m", base=base, sequence=sequence) as out:
+        for table, ids, rows in sections:
+            out.add(table, ids, rows)
+    return path
+
+
+def test_a_delta_reads_back_as_written(tmp_path):
+    path = _write(tmp_path / "d.delta", sections=[
+        (TABLES[0], np.array([3, 7]), _rows(TABLES[0], 2, 5)),
+        (TABLES[0], np.array([9]), _rows(TABLES[0], 1, 6)),  # a second chunk of the same table
+        (TABLES[1], np.array([0]), _rows(TABLES[1], 1, 7)),
+    ])
+    delta = read_delta(path, LAYOUT)
+    assert (delta.header.model, delta.header.sequence, delta.header.rows) == ("m", 1, 4)
+    a, b = (delta.records(s) for s in delta.header.tables)
+    assert a["id"].tolist() == [3, 7, 9] and a["row"][:, 0].tolist() == [5, 5, 6]
+    assert b["id"].tolist() == [0] and (b["row"] == 7).all()
+    assert not (tmp_path / "d.delta.partial").exists()
+
+
+def _retyped(table: TableLayout, **change) -> TableLayout:
+    return TableLayout(**{**table.__dict__, **change})
+
+
+@pytest.mark.parametrize(
+    "sections, field, problem",
+    [
+        ([(_retyped(TABLES[0], name="zz"), np.array([1]), _rows(TABLES[0], 1, 1))], "tables.zz", "no such table"),
+        ([(_retyped(TABLES[0], dim=16), np.array([1]), _rows(TABLES[0], 1, 1))], "tables.a.dim", "is 16"),
+        ([(_retyped(TABLES[0], dtype="int4"), np.array([1]), _rows(TABLES[0], 1, 1))], "tables.a.dtype", "int4"),
+        ([(TABLES[0], np.array([1000]), _rows(TABLES[0], 1, 1))], "tables.a.ids", "outside the table's 1000 rows"),
+        ([(TABLES[0], np.array([4, 4]), _rows(TABLES[0], 2, 1))], "tables.a.ids", "more than once"),
+    ],
+)
+def test_a_delta_that_does_not_fit_the_tables_names_the_problem(tmp_path, sections, field, problem):
+    path = _write(tmp_path / "d.delta", sections=sections)
+    with pytest.raises(DeltaError) as refusal:
+        read_delta(path, LAYOUT)
+    assert refusal.value.field == field and problem in refusal.value.message
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda d: d[:-3], "truncated"),
+        (lambda d: d[:10], "truncated"),
+        (lambda d: b"", "truncated"),
+        (lambda d: d[:8] + bytes([d[8] ^ 1]) + d[9:], "does not match its rows"),
+    ],
+)
+def test_a_damaged_delta_is_refused(tmp_path, damage, problem):
+    path = _write(tmp_path / "d.delta")
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(DeltaError, match=problem):
+        read_delta(path, LAYOUT)
+
+
+def test_the_header_alone_is_read_without_the_rows(tmp_path):
+    header = read_header(_write(tmp_path / "d.delta", sequence=4))
+    assert header.sequence == 4 and header.base == LAYOUT.fingerprint and header.tables[0].count == 3
+
+
+def _weights_file(tmp_path) -> tuple:
+    """A weights file like a served archive's, mapped as a worker maps it."""
+    buffer = torch.zeros(12000 + 64 * 16, dtype=torch.uint8)
+    path = tmp_path / "weights.pt"
+    torch.save({"tbe.0": buffer, "dense.w": torch.ones(2)}, path)
+    mapped = torch.load(path, mmap=True, weights_only=True)
+    return path, mapped, table_buffers(mapped)
+
+
+def test_rows_written_in_place_are_seen_through_another_mapping(tmp_path):
+    path, mapped, buffers = _weights_file(tmp_path)
+    delta = read_delta(_write(tmp_path / "d.delta"), LAYOUT)
+    state = apply_delta(delta, TableWriter(path, buffers, LAYOUT), RowLock(tmp_path), tmp_path, Pace())
+    assert state.sequence == 1 and state.rows_applied == 3 and AppliedState.read(tmp_path) == state
+    rows = buffers[0][: 1000 * 12].reshape(1000, 12)  # the reader's own (private) mapping
+    assert rows[[3, 7, 9]].eq(5).all() and rows[[0, 4, 8]].eq(0).all()
+
+
+def test_a_resumed_apply_skips_the_rows_already_written(tmp_path):
+    path, _, buffers = _weights_file(tmp_path)
+    delta = read_delta(_write(tmp_path / "d.delta"), LAYOUT)
+    state = apply_delta(delta, TableWriter(path, buffers, LAYOUT), RowLock(tmp_path), tmp_path,
+                        Pace(chunk_rows=1), start_row=2)
+    assert state.rows_applied == 1  # only the third row
+    assert buffers[0][9 * 12 : 10 * 12].eq(5).all() and buffers[0][3 * 12 : 4 * 12].eq(0).all()
+
+
+def test_no_reader_sees_a_torn_row(tmp_path):
+    """A writer flips every row of a wide table (16 KiB rows: copying one is not atomic) between
+    all-1 and all-2 bytes, in chunks; readers under the lock, through their own mapping, must
+    see each row whole."""
+    table = TableLayout("wide", "fp32", 4096, 64, 4 * 4096, buffer=0, offset=0)
+    layout = TablesLayout("f" * 64, (table,))
+    path = tmp_path / "weights.pt"
+    torch.save({"tbe.0": torch.zeros(table.rows * table.row_bytes, dtype=torch.uint8)}, path)
+    buffers = table_buffers(torch.load(path, mmap=True, weights_only=True))
+    flips = [
+        read_delta(_write(tmp_path / f"{v}.delta", sections=[(table, np.arange(table.rows), _rows(table, table.rows, v))]), layout)
+        for v in (1, 2)
+    ]
+    writer = TableWriter(path, buffers, layout)
+    rows = buffers[0][: table.rows * table.row_bytes].reshape(table.rows, table.row_bytes)
+    stop, torn, reads = threading.Event(), [], [0]
+
+    def read() -> None:
+        lock = RowLock(tmp_path)  # a reader's own lock file handle, as another worker has
+        while not stop.is_set():
+            with lock.reading():
+                snapshot = rows.clone()
+            mixed = (snapshot != snapshot[:, :1]).any(dim=1)
+            if mixed.any():
+                torn.append(int(mixed.nonzero()[0]))
+            reads[0] += 1
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for thread in readers:
+        thread.start()
+    lock = RowLock(tmp_path)
+    for i in range(20):
+        apply_delta(flips[i % 2], writer, lock, tmp_path, Pace(rows_per_s=float("inf"), chunk_rows=7))
+    stop.set()
+    for thread in readers:
+        thread.join()
+    assert reads[0] > 20 and not torn, torn[:5]
+
+
+def test_the_row_lock_holds_readers_off_while_a_chunk_is_written(tmp_path):
+    writer, reader = RowLock(tmp_path), RowLock(tmp_path)  # two open files, as two workers have
+    writing, entered = threading.Event(), threading.Event()
+
+    overlapped = []
+
+    def write() -> None:
+        with writer.writing():
+            writing.set()
+            overlapped.append(entered.wait(0.3))  # a reader got in while a chunk was written
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    writing.wait()
+    with reader.reading():
+        entered.set()
+    thread.join()
+    assert overlapped == [False]
+    with reader.reading(), RowLock(tmp_path).reading():  # readers share it
+        pass

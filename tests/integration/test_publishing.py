@@ -1,0 +1,194 @@
+"""Publishing deltas to a real TorchServe through the project's plugin: rows applied in place
+under load with no failed request, bad deltas refused with nothing applied, the log replayed by
+new workers and by a restarted server."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from archive_tools.build import ServingConfig, build_archive
+from archive_tools.delta import DeltaSource, make_delta
+from archive_tools.local_server import LocalTorchServe
+from benchmarks.load import BackgroundLoad
+from benchmarks.traffic import TrafficModel
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.registry import load_spec
+from handlers.runtime.artifacts import Artifact
+from tests.conftest import TINY_SPEC
+from tests.helpers import archive_service, items_request
+
+pytestmark = pytest.mark.integration
+
+SPEC = load_spec(TINY_SPEC)
+REQUESTS = [items_request(SPEC, 4, seed=s, max_bag=3) for s in range(4)]
+
+
+def _checkpoints(folder: Path) -> tuple[Path, Path]:
+    """A base checkpoint and a newer one whose tables moved in 40% of their rows."""
+    model = DLRMFactory(SPEC).float_model(seed=0)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    newer = {k: v.clone() for k, v in base.items()}
+    generator = torch.Generator().manual_seed(1)
+    for key, value in newer.items():
+        if ".embedding_bags." in key:
+            touched = torch.rand(value.shape[0], generator=generator) < 0.4
+            value[touched] += 0.05 * torch.randn(value[touched].shape, generator=generator)
+    torch.save(base, folder / "base.pt")
+    torch.save(newer, folder / "newer.pt")
+    return folder / "base.pt", folder / "newer.pt"
+
+
+def _build(checkpoint: Path, store: Path, name: str, artifact: Artifact) -> Path:
+    return build_archive(
+        TINY_SPEC, checkpoint=checkpoint, seed=0, name=name, version="1.0", model_store=store,
+        serving=ServingConfig(batch_size=8, max_batch_delay_ms=5), artifact=artifact,
+    )
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("freshness")
+    base, newer = _checkpoints(root)
+    store = root / "model_store"
+    for artifact in (Artifact.EAGER, Artifact.AOTI, Artifact.EXPORTED):
+        _build(base, store, f"tiny_{artifact.value}", artifact)
+    fresh = _build(newer, root / "fresh", "tiny", Artifact.EAGER)  # what a full rebuild serves
+    deltas = store / "deltas"
+    deltas.mkdir()
+    for artifact in (Artifact.EAGER, Artifact.AOTI):
+        make_delta(store / f"tiny_{artifact.value}.mar", DeltaSource(checkpoint=newer),
+                   deltas / f"{artifact.value}-1.delta", sequence=1)
+    make_delta(fresh, DeltaSource(checkpoint=base), deltas / "other-base-1.delta", sequence=1)
+    make_delta(store / "tiny_eager.mar", DeltaSource(checkpoint=newer), deltas / "eager-2.delta", sequence=2)
+    expected = {
+        "old": _scores(archive_service(store / "tiny_eager.mar", root / "old")),
+        "new": _scores(archive_service(fresh, root / "new")),
+    }
+    assert expected["old"] != pytest.approx(expected["new"], abs=1e-4)
+    return {"root": root, "store": store, "deltas": deltas, "expected": expected, "newer": newer}
+
+
+def _scores(service) -> list[float]:
+    """Every request's scores, in one list."""
+    return [x for r in REQUESTS for x in json.loads(service.handle([json.dumps(r).encode()]).responses[0].body)["scores"]]
+
+
+def _served(server: LocalTorchServe, model: str) -> list[float]:
+    answers = [server.predict(model, r) for r in REQUESTS]
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    return [x for a in answers for x in a.json()["scores"]]
+
+
+def _publish(server: LocalTorchServe, model: str, delta: str):
+    return server.management("POST", f"/freshness/{model}", params={"delta": delta})
+
+
+def _applied(server: LocalTorchServe, model: str, sequence: int, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = server.management("GET", f"/freshness/{model}").json()
+        if state["applied_sequence"] >= sequence:
+            return state
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(setup):
+    with LocalTorchServe(model_store=setup["store"]) as server:
+        for artifact in ("eager", "aoti", "exported"):
+            assert server.register(f"tiny_{artifact}.mar").status_code == 200
+        yield server
+
+
+@pytest.mark.parametrize("artifact", ["eager", "aoti"])
+def test_a_delta_published_under_load_moves_scores_with_no_failed_request(setup, server, artifact):
+    model = f"tiny_{artifact}"
+    assert _served(server, model) == pytest.approx(setup["expected"]["old"], abs=1e-6)
+    traffic = TrafficModel(items_per_request=1).generate(SPEC, 64, seed=1)
+    url = f"{server.inference_url}/predictions/{model}"
+    with BackgroundLoad(url, server.auth("inference"), traffic, rate=100) as load:
+        time.sleep(0.5)
+        published = _publish(server, model, f"{artifact}-1.delta")
+        assert published.status_code == 200, published.text
+        assert published.json()["sequence"] == 1 and not published.json()["duplicate"]
+        state = _applied(server, model, 1)
+        time.sleep(0.3)
+    assert load.result.statuses == {"200": load.result.requests}, load.result.statuses
+    assert state["log_head"] == 1 and state["rows_applied"] > 0
+    assert all(w["applied_sequence"] == 1 for w in state["workers"])
+    assert _served(server, model) == pytest.approx(setup["expected"]["new"], abs=1e-6)
+
+    again = _publish(server, model, f"{artifact}-1.delta")  # idempotent
+    assert again.status_code == 200 and again.json()["duplicate"], again.text
+    assert _applied(server, model, 1)["rows_applied"] == state["rows_applied"]
+
+
+def _damaged(setup, name: str, damage, source: str = "eager-2.delta") -> str:
+    """A damaged copy of ``source`` (by default the log's next delta)."""
+    data = bytearray((setup["deltas"] / source).read_bytes())
+    (setup["deltas"] / name).write_bytes(bytes(damage(data)))
+    return name
+
+
+def _flip_first_row_byte(data: bytearray) -> bytearray:
+    data[12] ^= 0xFF  # inside the first record's row
+    return data
+
+
+BAD_DELTAS = [
+    (lambda setup: "other-base-1.delta", 400, "delta.base"),  # made for an archive of other weights
+    (lambda setup: _damaged(setup, "flipped-1.delta", _flip_first_row_byte, "eager-1.delta"), 400, "other contents"),
+    (lambda setup: _damaged(setup, "truncated.delta", lambda d: d[: len(d) // 2]), 400, "truncated"),
+    (lambda setup: _damaged(setup, "flipped.delta", _flip_first_row_byte), 400, "sha256"),
+    (lambda setup: "../base.pt", 400, "paths are refused"),
+    (lambda setup: "missing.delta", 404, "no 'missing.delta'"),
+]
+
+
+@pytest.mark.parametrize("make, status, problem", BAD_DELTAS)
+def test_a_bad_delta_is_refused_by_name_and_nothing_is_applied(setup, server, make, status, problem):
+    model = "tiny_eager"
+    before = server.management("GET", f"/freshness/{model}").json()
+    scores = _served(server, model)
+    response = _publish(server, model, make(setup))
+    assert response.status_code == status, response.text
+    assert problem in response.text
+    after = server.management("GET", f"/freshness/{model}").json()
+    assert (after["log_head"], after["applied_sequence"], after["rows_applied"]) == (
+        before["log_head"], before["applied_sequence"], before["rows_applied"])
+    assert _served(server, model) == scores
+
+
+def test_a_sequence_out_of_order_is_refused(setup, server, tmp_path):
+    make_delta(setup["store"] / "tiny_eager.mar", DeltaSource(checkpoint=setup["newer"]),
+               setup["deltas"] / "eager-3.delta", sequence=3)
+    response = _publish(server, "tiny_eager", "eager-3.delta")
+    assert response.status_code == 400 and "delta.sequence" in response.text, response.text
+
+
+def test_an_exported_archive_refuses_deltas_naming_its_kind(server):
+    response = _publish(server, "tiny_exported", "eager-1.delta")
+    assert response.status_code == 409, response.text
+    assert "exported" in response.json()["message"]
+
+
+def test_new_workers_and_a_restarted_server_serve_the_log(setup, server):
+    """Runs after the publish test: the eager model's log holds sequence 1."""
+    model = "tiny_eager"
+    _applied(server, model, 1)
+    scaled = server.management("PUT", f"/models/{model}", params={"min_worker": 2, "synchronous": "true"})
+    assert scaled.status_code == 200, scaled.text
+    for _ in range(4):  # both workers answer in turn
+        assert _served(server, model) == pytest.approx(setup["expected"]["new"], abs=1e-6)
+    with LocalTorchServe(model_store=setup["store"]) as restarted:
+        assert restarted.register("tiny_eager.mar").status_code == 200
+        state = restarted.management("GET", f"/freshness/{model}").json()
+        assert state["applied_sequence"] == 1, state  # replayed before the first request
+        assert _served(restarted, model) == pytest.approx(setup["expected"]["new"], abs=1e-6)
