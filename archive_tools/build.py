@@ -72,6 +72,8 @@ class ServingConfig:
     # The plugin's admission control and watchdog (0: derived from the measured batch time).
     max_queue_wait_ms: int = 0
     hang_after_ms: int = 0
+    # How fast a published delta's rows are written into the served tables (handlers.runtime.freshness).
+    delta_rows_per_s: float = 200_000.0
 
     def model_config(self, artifact: Artifact, weights_bytes: int, split: SplitPlan | None) -> dict:
         # Loading is dominated by reading the weights: allow a minute plus 30 s per GB.
@@ -87,6 +89,7 @@ class ServingConfig:
                 artifact, split, self.intra_op_threads, self.parallel_from_items, self.metrics_flush_s
             ).to_mapping(),
             "guard": {"max_queue_wait_ms": self.max_queue_wait_ms, "hang_after_ms": self.hang_after_ms},
+            "freshness": {"rows_per_s": self.delta_rows_per_s},
         }
 
 

@@ -99,6 +99,7 @@ def _build(args: argparse.Namespace) -> int:
             metrics_flush_s=args.metrics_flush,
             max_queue_wait_ms=args.max_queue_wait_ms,
             hang_after_ms=args.hang_after_ms,
+            delta_rows_per_s=args.delta_rows_per_s,
         ),
         bounds=_bounds(args),
         validation=args.validation,
@@ -335,6 +336,10 @@ def _build_args(parser: argparse.ArgumentParser) -> None:
         "--hang-after-ms", type=int, default=ServingConfig.hang_after_ms,
         help="a worker that runs one batch this long is restarted, the batch answered 503 "
         "(0: 20 times the measured batch time, at least 2000 ms)",
+    )
+    parser.add_argument(
+        "--delta-rows-per-s", type=float, default=ServingConfig.delta_rows_per_s,
+        help="the pace at which a published delta's rows are written into the served tables",
     )
     _verification_args(parser)
 

@@ -6,6 +6,9 @@ tensors over TorchServe's REST or gRPC inference API.
     client.score([{"dense": [...13 floats], "sparse": {"cat_0": [17], ...}}])   # float32 [n]
     client.rank(user, candidates)             # Ranking(order, scores): best candidate first
 
+``token``: an inference key, or ``TokenKeys(Path("key_file.json"), management_url)`` on the
+server's host, to have keys refreshed before they expire (``archive_tools.keys``).
+
 Over gRPC (``grpc_target="127.0.0.1:7070"``) the same request bytes travel in TorchServe's
 ``PredictionsRequest.input`` map: ``body``, and the JSON header's length under
 ``Inference-Header-Content-Length``.
@@ -21,6 +24,7 @@ import numpy as np
 import requests
 
 from archive_tools.archives import archive_folder
+from archive_tools.keys import TokenKeys
 from handlers.runtime.inputs import INPUTS_FILE, InputSchema
 from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH
 from handlers.runtime.wire.v2_tensors import decode_response, encode_request
@@ -47,7 +51,7 @@ class ScoringClient:
         *,
         rest_url: str | None = None,
         grpc_target: str | None = None,
-        token: str | None = None,
+        token: str | TokenKeys | None = None,
         timeout_s: float = 30.0,
     ) -> None:
         if (rest_url is None) == (grpc_target is None):
@@ -55,10 +59,15 @@ class ScoringClient:
         self.model = model
         self.schema = schema
         self.timeout_s = timeout_s
-        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self._token = token
         self._session = requests.Session() if rest_url else None
         self._url = f"{rest_url.rstrip('/')}/v2/models/{model}/infer" if rest_url else None
-        self._grpc = _GrpcSender(grpc_target, self._auth) if grpc_target else None
+        self._grpc = _GrpcSender(grpc_target) if grpc_target else None
+
+    def _auth(self) -> dict[str, str]:
+        if isinstance(self._token, TokenKeys):
+            return self._token.header("inference")  # refreshed before it expires
+        return {"Authorization": f"Bearer {self._token}"} if self._token else {}
 
     @classmethod
     def from_archive(cls, model: str, archive: str | Path, **transport: Any) -> "ScoringClient":
@@ -134,15 +143,23 @@ class ScoringClient:
     def _send(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         body, json_length = encode_request(arrays, outputs=("scores",))
         if self._grpc is not None:
-            return decode_response(self._grpc.predict(self.model, body, json_length, self.timeout_s))
-        headers = {**self._auth, HEADER_LENGTH: str(json_length), "Content-Type": "application/octet-stream"}
-        response = self._session.post(self._url, data=body, headers=headers, timeout=self.timeout_s)  # type: ignore[union-attr]
+            return decode_response(self._grpc.predict(self.model, body, json_length, self._auth(), self.timeout_s))
+        headers = {HEADER_LENGTH: str(json_length), "Content-Type": "application/octet-stream"}
+        for attempt in range(2):
+            auth = self._auth()
+            response = self._session.post(  # type: ignore[union-attr]
+                self._url, data=body, headers={**headers, **auth}, timeout=self.timeout_s
+            )
+            if attempt == 0 and isinstance(self._token, TokenKeys) and TokenKeys.rejected(response):
+                self._token.recover("inference", auth.get("Authorization", " ").split(" ")[-1])
+                continue  # another client refreshed the key: once more with the new one
+            break
         length = response.headers.get(HEADER_LENGTH)
         return decode_response(response.content, int(length) if length is not None else len(response.content))
 
 
 class _GrpcSender:
-    def __init__(self, target: str, auth: dict[str, str]) -> None:
+    def __init__(self, target: str) -> None:
         import grpc
 
         from archive_tools.grpc_inference import inference_stub, messages
@@ -150,13 +167,13 @@ class _GrpcSender:
         self._channel = grpc.insecure_channel(target)
         self._stub = inference_stub(self._channel)
         self._messages = messages()
-        self._metadata = [(k.lower(), v) for k, v in auth.items()]
 
-    def predict(self, model: str, body: bytes, json_length: int, timeout_s: float) -> bytes:
+    def predict(self, model: str, body: bytes, json_length: int, auth: dict[str, str], timeout_s: float) -> bytes:
         request = self._messages.PredictionsRequest(
             model_name=model, input={"body": body, HEADER_LENGTH: str(json_length).encode()}
         )
-        return self._stub.Predictions(request, metadata=self._metadata, timeout=timeout_s).prediction
+        metadata = [(k.lower(), v) for k, v in auth.items()]
+        return self._stub.Predictions(request, metadata=metadata, timeout=timeout_s).prediction
 
     def close(self) -> None:
         self._channel.close()

@@ -33,6 +33,7 @@ import orjson
 import torch
 
 from handlers.loading import load_service
+from handlers.runtime.freshness.applier import Pace
 from handlers.runtime.freshness.worker import LockedRunner, WorkerFreshness
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.service import ScoringService
@@ -56,7 +57,8 @@ class DLRMHandler:
         gpu_id = context.system_properties.get("gpu_id")
         options = HandlerOptions.from_mapping((context.model_yaml_config or {}).get("handler"))
         self.service = load_service(model_dir, options, gpu_id, model_name=context.model_name)
-        self.freshness = WorkerFreshness.open(model_dir, options)
+        pace = Pace.from_mapping((context.model_yaml_config or {}).get("freshness"))
+        self.freshness = WorkerFreshness.open(model_dir, options, pace)
         if isinstance(self.freshness, WorkerFreshness):
             self.service.model = LockedRunner(self.service.model, self.freshness.lock)
             self.freshness.start()  # the model's delta log replayed before the first request

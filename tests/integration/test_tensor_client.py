@@ -42,8 +42,8 @@ def server(tmp_path_factory):
 def _clients(server, model: str) -> dict[str, ScoringClient]:
     archive = server.model_store / f"{model}.mar"
     token = server.keys.key("inference")
-    return {
-        "rest": ScoringClient.from_archive(model, archive, rest_url=server.inference_url, token=token),
+    return {  # REST with keys refreshed before they expire, gRPC with the key as a string
+        "rest": ScoringClient.from_archive(model, archive, rest_url=server.inference_url, token=server.keys),
         "grpc": ScoringClient.from_archive(
             model, archive, grpc_target=f"127.0.0.1:{server.ports['grpc_inference_port']}", token=token
         ),

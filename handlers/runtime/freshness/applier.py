@@ -25,13 +25,13 @@ import mmap
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import orjson
 import torch
 
-from handlers.runtime.freshness.delta_file import Delta
+from handlers.runtime.freshness.delta_file import Delta, DeltaWriter
 from handlers.runtime.freshness.layout import TablesLayout
 
 LOCK_FILE = "freshness.lock"
@@ -63,12 +63,13 @@ class RowLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     @contextlib.contextmanager
-    def sole_writer(self, folder: Path) -> Iterator[bool]:
-        """Whether this process is the model's one writer now (a second lock file)."""
+    def sole_writer(self, folder: Path, wait: bool = False) -> Iterator[bool]:
+        """Whether this process is the model's one writer now (a second lock file); ``wait``:
+        until the writer there is finishes."""
         fd = os.open(Path(folder) / (LOCK_FILE + ".writer"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:
                 yield False
                 return
@@ -144,16 +145,63 @@ def file_offset(tensor: torch.Tensor, path: Path) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Pace:
+    """How fast a writer applies rows, and how many it writes per hold of the lock (the model
+    config's ``freshness`` section: ``{rows_per_s: 200000, chunk_rows: 4096}``)."""
+
     rows_per_s: float = 200_000.0
     chunk_rows: int = 4096
 
+    @classmethod
+    def from_mapping(cls, raw: dict | None) -> "Pace":
+        raw = dict(raw or {})
+        unknown = set(raw) - {"rows_per_s", "chunk_rows"}
+        if unknown:
+            raise ValueError(f"freshness: unknown keys {sorted(unknown)}")
+        pace = cls(float(raw.get("rows_per_s", cls.rows_per_s)), int(raw.get("chunk_rows", cls.chunk_rows)))
+        if pace.rows_per_s <= 0 or pace.chunk_rows <= 0:
+            raise ValueError(f"freshness: rows_per_s and chunk_rows must be positive, got {raw}")
+        return pace
+
 
 def apply_delta(
-    delta: Delta, writer: TableWriter, lock: RowLock, folder: Path, pace: Pace, start_row: int = 0
+    delta: Delta,
+    writer: TableWriter,
+    lock: RowLock,
+    folder: Path,
+    pace: Pace,
+    start_row: int = 0,
+    undo: Path | None = None,
 ) -> AppliedState:
     """Writes ``delta`` (validated) from its ``start_row``-th row on, chunk by chunk under the
-    lock, recording progress; returns the state after it."""
+    lock, recording progress; returns the state after it. ``undo``: where to keep the rows it
+    overwrites (as a delta of the same sequence), written and flushed before the first row
+    changes; kept as it is when resuming (it already holds the rows from before)."""
+    if undo is not None and not undo.exists():
+        save_undo(delta, writer, undo)
     state = AppliedState.read(folder)
+
+    def progress(done: int, rows: int) -> None:
+        nonlocal state
+        state = dataclasses.replace(state, partial=done, rows_applied=state.rows_applied + rows, updated_at=time.time())
+        state.write(folder)
+
+    write_rows(delta, writer, lock, pace, start_row, progress)
+    with lock.writing():
+        state = dataclasses.replace(state, sequence=delta.header.sequence, partial=0, updated_at=time.time())
+        state.write(folder)
+    return state
+
+
+def write_rows(
+    delta: Delta,
+    writer: TableWriter,
+    lock: RowLock,
+    pace: Pace,
+    start_row: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """The delta's rows from the ``start_row``-th on into the tables, one chunk per hold of the
+    lock, at ``pace``; ``progress(rows done, rows just written)`` runs under the lock."""
     done = 0
     started = time.perf_counter()
     for section in delta.header.tables:
@@ -165,14 +213,18 @@ def apply_delta(
             with lock.writing():
                 writer.write(section.name, chunk)
                 done = max(done, start_row) + len(chunk)
-                state = dataclasses.replace(
-                    state, partial=done, rows_applied=state.rows_applied + len(chunk), updated_at=time.time()
-                )
-                state.write(folder)
+                if progress is not None:
+                    progress(done, len(chunk))
             ahead = done / pace.rows_per_s - (time.perf_counter() - started)
             if ahead > 0:
                 time.sleep(ahead)
-    with lock.writing():
-        state = dataclasses.replace(state, sequence=delta.header.sequence, partial=0, updated_at=time.time())
-        state.write(folder)
-    return state
+
+
+def save_undo(delta: Delta, writer: TableWriter, path: Path) -> None:
+    """The rows ``delta`` is about to overwrite, as they are now: a delta that restores them."""
+    header = delta.header
+    with DeltaWriter(path, model=header.model, base=header.base, sequence=header.sequence) as out:
+        for section in header.tables:
+            table = writer.layout.table(section.name)
+            for chunk in delta.chunks(section, 1 << 16):
+                out.add(table, chunk["id"], writer.rows(section.name, chunk["id"]))

@@ -9,17 +9,17 @@ load, a worker applies whatever the log holds beyond the folder's state, unpaced
 one that holds the writer lock applies new deltas at the model's pace; if it dies, another takes
 the lock and resumes where the state file says.
 
-    freshness = WorkerFreshness.open(model_dir, options)      # None-safe: .unsupported says why
-    with freshness.reading():                                 # around every forward
-        ...
+    freshness = WorkerFreshness.open(model_dir, options, pace)   # or a str: why no deltas
+    runner = LockedRunner(runner, freshness.lock)                # every forward holds it shared
+    freshness.start()                                            # replay, then follow the log
     freshness.command({"op": "check", "delta": path})         # the plugin's calls -> JSON answer
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -31,7 +31,7 @@ import torch
 from handlers.runtime.artifacts import Artifact, aoti_weights_file
 from handlers.runtime.batching import Batch
 from handlers.runtime.errors import ServingError
-from handlers.runtime.freshness.applier import AppliedState, Pace, RowLock, TableWriter, apply_delta
+from handlers.runtime.freshness.applier import AppliedState, Pace, RowLock, TableWriter, apply_delta, write_rows
 from handlers.runtime.freshness.delta_file import DeltaError, read_delta, read_header
 from handlers.runtime.freshness.layout import LAYOUT_FILE, TablesLayout, table_buffers
 from handlers.runtime.options import HandlerOptions
@@ -72,7 +72,6 @@ class WorkerFreshness:
         self.lock = RowLock(model_dir)
         self._writer_lock = RowLock(model_dir)  # its own open file: excludes this process's readers
         self._writer: TableWriter | None = None
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None
 
@@ -91,30 +90,31 @@ class WorkerFreshness:
 
     # -- serving ---------------------------------------------------------------------------------
 
-    def reading(self) -> contextlib.AbstractContextManager:
-        return self.lock.reading()
-
     def start(self) -> None:
-        """Replays the log (if the plugin named one) up to its head, then follows it."""
+        """Returns once the log (if the plugin named one) is applied up to its head as it is now,
+        by this worker (unpaced) or by the one applying it already; then follows the log."""
         log = self._log()
-        if log is not None:
-            self._catch_up(log, paced=False)
+        head = max(log_entries(log), default=0) if log is not None else 0
+        while AppliedState.read(self.model_dir).sequence < head:
+            self._catch_up(log, paced=False)  # at once, when another worker holds the writer lock
+            if AppliedState.read(self.model_dir).sequence < head:
+                time.sleep(0.05)
         self._thread = threading.Thread(target=self._follow, name="freshness", daemon=True)
         self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
 
     # -- the plugin's calls ----------------------------------------------------------------------
 
     def command(self, call: dict[str, Any]) -> dict[str, Any]:
         """``check``: is the delta at ``call["delta"]`` the log's next (or a duplicate)?
-        ``state``: the applied sequence, rows and this worker's view."""
+        ``state``: the applied sequence, rows and this worker's view; ``rollback``: back to
+        sequence ``call["to"]``."""
         try:
             if call.get("op") == "check":
                 return self._check(Path(call["delta"]), Path(call["log"]))
             if call.get("op") == "state":
                 return {"status": 200, **self.state()}
+            if call.get("op") == "rollback":
+                return self._rollback(int(call["to"]), Path(call["log"]))
             return {"status": 400, "field": "op", "message": f"op: unknown {call.get('op')!r}"}
         except ServingError as error:
             return {"status": error.status, **error.to_body()}
@@ -156,8 +156,42 @@ class WorkerFreshness:
         except FileNotFoundError:
             return None
 
+    def _open_writer(self) -> TableWriter:
+        if self._writer is None:
+            buffers = table_buffers(torch.load(self.weights_file, mmap=True, weights_only=True))
+            self._writer = TableWriter(self.weights_file, buffers, self.layout)
+        return self._writer
+
+    def _rollback(self, to: int, log: Path) -> dict[str, Any]:
+        """Restores the tables as they were after delta ``to`` (0: the archive's own rows), from
+        the undo files, newest first; the later deltas leave the log (moved aside, kept)."""
+        entries = log_entries(log)
+        head = max(entries, default=0)
+        if not 0 <= to <= head:
+            raise DeltaError("rollback_to", f"must be between 0 and the log's head {head}, got {to}")
+        with self.lock.sole_writer(self.model_dir, wait=True):
+            writer = self._open_writer()
+            state = AppliedState.read(self.model_dir)
+            newest = state.sequence + (1 if state.partial else 0)  # a delta half applied is undone too
+            fast = Pace(rows_per_s=float("inf"), chunk_rows=self.pace.chunk_rows)
+            for sequence in range(newest, to, -1):
+                undo = undo_file(log, sequence)
+                if undo.exists():  # absent: the delta's writing never began
+                    write_rows(read_delta(undo, self.layout), writer, self._writer_lock, fast)
+            aside = log.parent / f"rolled-back-{time.strftime('%Y%m%dT%H%M%S')}-from-{head}-to-{to}"
+            for sequence in range(to + 1, head + 1):
+                aside.mkdir(parents=True, exist_ok=True)
+                for path in (entries.get(sequence), undo_file(log, sequence)):
+                    if path is not None and path.exists():
+                        os.replace(path, aside / path.name)
+            with self._writer_lock.writing():
+                state = AppliedState(sequence=to, partial=0, rows_applied=state.rows_applied, updated_at=time.time())
+                state.write(self.model_dir)
+        return {"status": 200, "rolled_back_to": to, "from": newest, "moved_to": str(aside) if head > to else None}
+
     def _follow(self) -> None:
-        while not self._stop.wait(FOLLOW_EVERY_S):
+        while True:
+            time.sleep(FOLLOW_EVERY_S)
             log = self._log()
             if log is None:
                 continue
@@ -176,9 +210,7 @@ class WorkerFreshness:
         with self.lock.sole_writer(self.model_dir) as writer:
             if not writer:
                 return  # another worker applies them
-            if self._writer is None:
-                buffers = table_buffers(torch.load(self.weights_file, mmap=True, weights_only=True))
-                self._writer = TableWriter(self.weights_file, buffers, self.layout)
+            self._open_writer()
             pace = self.pace if paced else Pace(rows_per_s=float("inf"), chunk_rows=self.pace.chunk_rows)
             while True:
                 state = AppliedState.read(self.model_dir)
@@ -187,9 +219,15 @@ class WorkerFreshness:
                     return
                 started = time.perf_counter()
                 delta = read_delta(path, self.layout)
-                apply_delta(delta, self._writer, self._writer_lock, self.model_dir, pace, start_row=state.partial)
+                apply_delta(delta, self._writer, self._writer_lock, self.model_dir, pace, start_row=state.partial,
+                            undo=undo_file(log, delta.header.sequence))
                 logger.info("applied delta %d (%d rows) in %.2fs", delta.header.sequence, delta.header.rows,
                             time.perf_counter() - started)
+
+
+def undo_file(log: Path, sequence: int) -> Path:
+    """The rows delta ``sequence`` overwrote, kept beside it in the log for a rollback."""
+    return Path(log) / f"{sequence:08d}.undo"
 
 
 def _sha256(path: Path) -> str:

@@ -37,6 +37,10 @@ import org.pytorch.serve.wlm.WorkerThread;
  *       model's delta log and flushed to disk, and only then answered 200. The workers apply it
  *       from the log at the model's pace. Publishing the same delta again is answered as before,
  *       with nothing applied twice; anything wrong is a 4xx naming it, with nothing applied.
+ *   <li>{@code POST /freshness/NAME[/VERSION]?rollback_to=SEQUENCE}: the tables as they were after
+ *       that delta (0: the archive's rows), restored from the rows each delta overwrote (kept in
+ *       the log); the later deltas leave the log (moved aside) and the next publish continues
+ *       from there.
  *   <li>{@code GET /freshness/NAME[/VERSION]}: the base fingerprint, the log's head, the sequence
  *       applied to the tables (every worker maps the same tables, so it is every worker's), rows
  *       applied, and the workers.
@@ -83,7 +87,10 @@ public final class FreshnessEndpoint extends ModelServerEndpoint {
                 throw new ConflictStatusException(Guard.label(model)
                         + " has no tables.json: rebuild its archive with this version to publish deltas");
             }
-            if (publish) {
+            String rollbackTo = ModelsEndpoint.param(query, "rollback_to", null);
+            if (publish && rollbackTo != null) {
+                rollback(model, log, rollbackTo, rsp);
+            } else if (publish) {
                 publish(model, log, ModelsEndpoint.param(query, "delta", null), rsp);
             } else {
                 state(model, log, rsp);
@@ -132,6 +139,29 @@ public final class FreshnessEndpoint extends ModelServerEndpoint {
             answer.put("duplicate", duplicate);
             answer.put("log", log.getPath());
             Replies.json(rsp, 200, Replies.GSON.toJson(answer));
+        }
+    }
+
+    private void rollback(Model model, File log, String to, Response rsp) throws Exception {
+        long sequence;
+        try {
+            sequence = Long.parseLong(to);
+        } catch (NumberFormatException e) {
+            throw new BadRequestException("rollback_to: must be a sequence number, got '" + to + "'");
+        }
+        synchronized (publishing.computeIfAbsent(Guard.label(model), k -> new Object())) {
+            Map<String, Object> call = new LinkedHashMap<>();
+            call.put("op", "rollback");
+            call.put("to", sequence);
+            call.put("log", log.getPath());
+            JsonObject answer = ask(model, call);
+            int status = answer.get("status").getAsInt();
+            answer.remove("status");
+            answer.remove("pid");
+            if (status != 200) {
+                answer.addProperty("code", status);
+            }
+            Replies.json(rsp, status, Replies.GSON.toJson(answer));
         }
     }
 
