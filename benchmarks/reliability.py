@@ -8,7 +8,7 @@ Writes ``benchmarks/results/SCENARIO/reliability.json`` (the keys below), ``summ
 ``disruptions.png`` (each request of the disruption phases: latency against time, by status):
 
 * ``max_load_rps``: the highest open-loop rate of one-item requests served with no error and a
-  p99 within 4x that of a light load (at least 50 ms), in steps of a tenth of a closed loop's
+  p99 within 4x that of a light load (at least 50 ms), in steps of 5% of a closed loop's
   throughput (the load generator shares the 2 cores); the phases below run at fractions of it;
 * ``soak_s``, ``soak_requests``, ``soak_errors``, ``soak_rss_growth_pct``: an open loop at 80% of
   the max load; RSS of the frontend and workers, after the first tenth against the end;
@@ -191,16 +191,16 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
 
 def _max_load(url: str, auth: dict, traffic: Traffic, seconds: float) -> dict:
     """The highest open-loop rate the server sustains: every request answered 200 with a p99
-    within 4x that of a light load (at least 50 ms). Rates step up by tenths of a closed loop's
-    throughput (32 senders); the load generator shares the machine's cores, so what it can send is
-    part of the limit."""
+    within 4x that of a light load (at least 50 ms). Rates step up by 5% of a closed loop's
+    throughput (32 senders), from 20%; the load generator shares the machine's cores, so what it
+    can send is part of the limit."""
     closed_rps = run_closed_loop(url, auth, traffic, 32, seconds, 10**7).requests_per_s
     light = run_open_loop(url, auth, traffic, 0.2 * closed_rps, seconds)
     bound_ms = max(50.0, 4 * light.latency_ms["p99"])
     sustained = 0.2 * closed_rps
     steps = {}
-    for tenths in range(4, 11):
-        rate = tenths / 10 * closed_rps
+    for twentieths in range(5, 21):
+        rate = twentieths / 20 * closed_rps
         result = run_open_loop(url, auth, traffic, rate, seconds)
         steps[f"{rate:.0f}"] = {"p99_ms": result.latency_ms.get("p99"), "statuses": result.statuses}
         if _failed(result) or result.latency_ms["p99"] > bound_ms:
