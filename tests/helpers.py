@@ -11,6 +11,7 @@ from handlers.modeling.eager import EagerModel
 from handlers.modeling.registry import input_schema, synthetic_request
 from handlers.modeling.spec import ModelSpec, ShardingSpec, ShardingType
 from handlers.runtime.batching import Batch, coalesce
+from handlers.runtime.freshness.applier import file_offset
 from handlers.runtime.wire.decoder import RequestDecoder
 
 items_request = synthetic_request  # (spec, num_items, seed, max_bag=3, return_logits=False)
@@ -42,13 +43,8 @@ def forward(model: torch.nn.Module, spec: ModelSpec, inputs: Batch) -> torch.Ten
 
 def is_file_mapped(tensor: torch.Tensor, path) -> bool:
     """Whether ``tensor``'s memory lies in a mapping of the file ``path`` (``/proc/self/maps``)."""
-    address = tensor.data_ptr()
-    target = str(Path(path).resolve())
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip() == target:
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                if start <= address < end:
-                    return True
-    return False
+    try:
+        file_offset(tensor, Path(path))
+    except ValueError:
+        return False
+    return True
