@@ -5,6 +5,8 @@ new workers and by a restarted server."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 import zipfile
@@ -260,3 +262,40 @@ def _unpacked_folder(setup, tmp_path) -> Path:
     with zipfile.ZipFile(setup["store"] / "tiny_eager.mar") as z:
         z.extractall(tmp_path / "unpacked")
     return tmp_path / "unpacked"
+
+
+def test_workers_killed_during_an_apply_resume_it(setup, server, tmp_path):
+    """A model whose deltas are written at 100 rows/s (643 rows: about 6 s): both its workers are killed halfway through
+    one; their replacements finish it from where the state file says, before they serve."""
+    _build_paced(setup["root"] / "base.pt", setup["store"], "tiny_slow")
+    assert server.register("tiny_slow.mar", initial_workers=2).status_code == 200
+    assert _publish(server, "tiny_slow", "eager-1.delta").status_code == 200
+
+    def state() -> dict:
+        return server.management("GET", "/freshness/tiny_slow").json()
+
+    deadline = time.monotonic() + 30
+    while state()["rows_applied"] < 100:
+        assert time.monotonic() < deadline, state()
+        time.sleep(0.05)
+    assert state()["applied_sequence"] == 0  # halfway
+    victims = [w["pid"] for w in server.management("GET", "/models/tiny_slow").json()[0]["workers"]]
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        workers = server.management("GET", "/models/tiny_slow").json()[0]["workers"]
+        ready = [w["pid"] for w in workers if w["status"] == "READY"]
+        if len(ready) == 2 and not set(ready) & set(victims):
+            break
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.2)
+    assert state()["applied_sequence"] == 1  # finished before the new workers took requests
+    assert _served(server, "tiny_slow") == pytest.approx(setup["expected"]["new"], abs=1e-6)
+
+
+def _build_paced(checkpoint: Path, store: Path, name: str) -> Path:
+    return build_archive(
+        TINY_SPEC, checkpoint=checkpoint, seed=0, name=name, version="1.0", model_store=store,
+        serving=ServingConfig(batch_size=8, max_batch_delay_ms=5, delta_rows_per_s=100),
+    )
