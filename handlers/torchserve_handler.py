@@ -11,7 +11,9 @@ Threads: a forward of at least ``parallel_from_items`` items runs on ``intra_op_
 a smaller one on one (``HandlerOptions.threads_for``).
 
 ``GET /models/NAME?customized=true`` (management API) answers with what each worker runs: its pid,
-artifact, device, load time, and whether TorchRec or TorchAO were imported.
+artifact, device, load time, and whether TorchRec or TorchAO were imported. The plugin's freshness
+calls (publish checks, state, rollback: ``handlers.runtime.freshness.worker``) come the same way,
+as describe calls with a ``freshness`` header holding the call as JSON.
 
 Garbage collection: once the model is loaded, every object then alive (hundreds of thousands:
 torch, the model, TorchServe) is frozen out of the collector's reach (``gc.freeze``). Without it a
