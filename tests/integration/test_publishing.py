@@ -206,6 +206,8 @@ def test_a_rollback_restores_the_rows_and_the_log_continues_from_there(setup, se
     _applied(server, model, 1)
     beyond = server.management("POST", f"/freshness/{model}", params={"rollback_to": 5})
     assert beyond.status_code == 400 and "rollback_to" in beyond.text, beyond.text
+    word = server.management("POST", f"/freshness/{model}", params={"rollback_to": "latest"})
+    assert word.status_code == 400 and "must be a sequence number" in word.text, word.text
     rolled = server.management("POST", f"/freshness/{model}", params={"rollback_to": 0})
     assert rolled.status_code == 200, rolled.text
     state = server.management("GET", f"/freshness/{model}").json()

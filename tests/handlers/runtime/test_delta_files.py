@@ -174,3 +174,13 @@ def test_the_row_lock_holds_readers_off_while_a_chunk_is_written(tmp_path):
     assert overlapped == [False]
     with reader.reading(), RowLock(tmp_path).reading():  # readers share it
         pass
+
+
+@pytest.mark.parametrize(
+    "raw, problem",
+    [({"rows_per_s": 0}, "must be positive"), ({"chunk_rows": -1}, "must be positive"), ({"speed": 1}, "unknown keys")],
+)
+def test_a_bad_pace_in_the_model_config_names_the_key(raw, problem):
+    with pytest.raises(ValueError, match=problem):
+        Pace.from_mapping(raw)
+    assert Pace.from_mapping(None) == Pace() and Pace.from_mapping({"rows_per_s": 10}).rows_per_s == 10
