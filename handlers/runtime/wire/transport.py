@@ -12,7 +12,6 @@ import zlib
 from typing import Any
 
 from handlers.runtime.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
-from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH
 from handlers.runtime.wire.messages import BinaryBody
 
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
