@@ -113,12 +113,14 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _delta(args: argparse.Namespace) -> int:
-    source = DeltaSource(checkpoint=args.checkpoint, rows=args.rows)
+    source = DeltaSource(checkpoint=args.checkpoint, rows=args.rows, dense=args.dense)
     out = args.out or args.archive.parent / "deltas" / f"{args.archive.name.split('.')[0]}-{args.sequence:08d}.delta"
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = make_delta(args.archive, source, out, args.sequence, name=args.name)
     for table, rows in summary.rows_by_table.items():
         print(f"  {table:<24}{rows:>12,} rows", file=sys.stderr)
+    if summary.dense_tensors:
+        print(f"  dense weights: {summary.dense_tensors} tensors, swapped whole", file=sys.stderr)
     print(f"wrote {summary.path} ({sum(summary.rows_by_table.values()):,} rows, "
           f"{summary.bytes / 2**20:.1f} MiB)", file=sys.stderr)
     if args.verify:
@@ -133,11 +135,15 @@ def _delta(args: argparse.Namespace) -> int:
 
 def _delta_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("archive", type=Path, help="the served archive (.mar or folder) the delta applies to")
-    source = parser.add_mutually_exclusive_group(required=True)
+    source = parser.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", type=Path, help="a newer trained checkpoint (as build takes it)")
     source.add_argument(
         "--rows", type=Path,
         help="changed rows: torch.save({table: {'ids': int64 [n], 'rows': float [n, dim]}})",
+    )
+    parser.add_argument(
+        "--dense", type=Path,
+        help="new dense weights to swap in whole: a checkpoint, whole or of the dense weights alone",
     )
     parser.add_argument("--sequence", type=int, required=True, help="its place in the model's delta log: 1, 2, ...")
     parser.add_argument("--name", help="the model name it is registered under (default: the spec's)")

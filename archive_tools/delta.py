@@ -1,9 +1,11 @@
 """``torchrec-serve delta``: the rows of a served model's tables that a newer checkpoint changed,
-quantized exactly as a fresh build would quantize them, written as one delta file.
+quantized exactly as a fresh build would quantize them, and optionally the dense part's new
+weights in the form the archive serves them, written as one delta file.
 
     make_delta(archive, DeltaSource(checkpoint=Path("trained-2.pt")), out, sequence=1)
     make_delta(archive, DeltaSource(rows=Path("touched.pt")), out, sequence=2)
         # touched.pt: {"cat_0": {"ids": int64 [n], "rows": float [n, dim]}, ...}
+    make_delta(archive, DeltaSource(dense=Path("trained-3.pt")), out, sequence=3)  # dense only
 
 From a checkpoint, every row is quantized in chunks and compared with the archive's own bytes: only
 rows whose served bytes differ go into the delta, and no table is held twice in memory. Row-wise
@@ -23,13 +25,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from archive_tools.archives import handler_options
+from archive_tools.export import package_constant
 from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
 from handlers.modeling.spec import ModelSpec
-from handlers.runtime.artifacts import aoti_weights_file
-from handlers.runtime.freshness.delta_file import DeltaWriter, read_delta
+from handlers.runtime.artifacts import Artifact, aoti_weights_file
+from handlers.runtime.freshness.delta_file import DeltaWriter, dense_shapes, read_delta
+from handlers.runtime.freshness.dense import is_table_constant
 from handlers.runtime.freshness.layout import LAYOUT_FILE, TableLayout, TablesLayout, table_buffers
+from handlers.runtime.freshness.worker import tables_file
 from handlers.runtime import fbgemm_ops  # noqa: F401  FBGEMM's quantization operators
 
 SPEC_FILE = "spec.yaml"
@@ -39,14 +45,19 @@ CHUNK_ROWS = 1 << 18
 @dataclasses.dataclass(frozen=True)
 class DeltaSource:
     """Where the new rows come from: a trained checkpoint (the same names ``build`` takes), or a
-    file of changed rows per table (``{table: {"ids": int64 [n], "rows": float [n, dim]}}``)."""
+    file of changed rows per table (``{table: {"ids": int64 [n], "rows": float [n, dim]}}``), or
+    neither; ``dense``: a checkpoint (whole, or its dense weights alone) whose dense weights the
+    delta carries, to be swapped in whole."""
 
     checkpoint: Path | None = None
     rows: Path | None = None
+    dense: Path | None = None
 
     def __post_init__(self) -> None:
-        if (self.checkpoint is None) == (self.rows is None):
-            raise ValueError("a delta comes from a checkpoint or from a rows file: give one")
+        if self.checkpoint is not None and self.rows is not None:
+            raise ValueError("table rows come from a checkpoint or from a rows file, not both")
+        if self.checkpoint is None and self.rows is None and self.dense is None:
+            raise ValueError("a delta needs a checkpoint, a rows file or dense weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +65,7 @@ class DeltaSummary:
     path: Path
     rows_by_table: dict[str, int]
     bytes: int
+    dense_tensors: int = 0
 
 
 def served_rows(floats: torch.Tensor, table: TableLayout) -> np.ndarray:
@@ -82,13 +94,51 @@ def make_delta(archive: Path, source: DeltaSource, out: Path, sequence: int, nam
     """Writes the delta for ``archive``'s model at ``out`` (one pass, progress on stderr)."""
     with _BaseArchive(archive) as base:
         rows: dict[str, int] = {}
+        dense = served_dense(base, read_checkpoint(source.dense)) if source.dense else {}
         with DeltaWriter(out, model=name or base.spec.name, base=base.layout.fingerprint, sequence=sequence) as writer:
-            changes = _from_checkpoint(base, source.checkpoint) if source.checkpoint else _from_rows(base, source.rows)
+            if source.checkpoint:
+                changes = _from_checkpoint(base, source.checkpoint)
+            else:
+                changes = _from_rows(base, source.rows) if source.rows else iter(())
             for table, ids, data in changes:
                 if len(ids):
                     writer.add(table, ids, data)
                     rows[table.name] = rows.get(table.name, 0) + len(ids)
-    return DeltaSummary(Path(out), rows, Path(out).stat().st_size)
+            if dense:
+                writer.add_dense(dense)
+    return DeltaSummary(Path(out), rows, Path(out).stat().st_size, len(dense))
+
+
+def served_dense(base: "_BaseArchive", checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's dense weights as the archive serves them, by the names it serves them
+    under: an eager archive's float dense state, or the dense constants of its compiled package
+    (in the spec's dense precision, TorchAO's int8 weights as their inner tensors)."""
+    factory = DLRMFactory(base.spec)
+    dense = factory.dense_weights(checkpoint)
+    options = handler_options(base.folder)
+    part = "dense" if options.split is not None else "model"
+    kind = options.split.dense if options.split is not None else options.artifact
+    if kind == Artifact.EAGER:
+        served, current = dense, factory.load_weights(base.folder / "weights.pt").dense
+    elif kind == Artifact.AOTI:
+        model = factory.dense_model(dense)
+        if options.split is not None:
+            model = factory.architecture.split(model)[1]
+        state = {**dict(model.named_parameters(prefix="model")), **dict(model.named_buffers(prefix="model"))}
+        current = torch.load(aoti_weights_file(base.folder / kind.file_name(part)), mmap=True, weights_only=True)
+        current = {n: t for n, t in current.items() if not is_table_constant(n)}
+        served = {n: package_constant(state, n) for n in current}
+    else:
+        raise ValueError(f"a {options.describe()} archive cannot swap dense weights: build it as aoti or eager "
+                         "(or a split with an aoti dense part)")
+    missing = sorted(n for n, t in served.items() if t is None)
+    if missing or set(served) != set(current):
+        raise ValueError(f"the served dense weights {sorted(current)} and the checkpoint's {sorted(served)} differ "
+                         f"(missing {missing})")
+    wrong = [n for n in current if dense_shapes({n: served[n]}) != dense_shapes({n: current[n]})]
+    if wrong:
+        raise ValueError(f"dense weights {wrong}: dtype or shape differ from the archive's")
+    return {n: served[n].detach().contiguous() for n in current}
 
 
 def verify_delta(archive: Path, delta_path: Path, checkpoint: Path) -> list[str]:
@@ -129,30 +179,22 @@ class _BaseArchive:
             self._tmp = tempfile.TemporaryDirectory(prefix="delta-base-")
             folder = Path(self._tmp.name)
             with zipfile.ZipFile(self.archive) as z:
-                wanted = [n for n in z.namelist() if n in (SPEC_FILE, LAYOUT_FILE) or n.endswith("weights.pt")]
+                wanted = [n for n in z.namelist() if n in (SPEC_FILE, LAYOUT_FILE, "model-config.yaml") or n.endswith("weights.pt")]
                 z.extractall(folder, wanted)
+        self.folder = folder
         if not (folder / LAYOUT_FILE).exists():
             raise FileNotFoundError(f"{self.archive}: no {LAYOUT_FILE}; rebuild it with this version to publish deltas")
         self.spec: ModelSpec = load_spec(folder / SPEC_FILE)
         self.layout = TablesLayout.load(folder)
-        weights_files = sorted(folder.glob("*weights.pt"))
-        weights = torch.load(_sparse_weights(weights_files), mmap=True, weights_only=True)
-        self.buffers = table_buffers(weights)
+        weights_file, unsupported = tables_file(folder, handler_options(folder))
+        if weights_file is None:
+            raise ValueError(f"{self.archive}: cannot take deltas: {unsupported}")
+        self.buffers = table_buffers(torch.load(weights_file, mmap=True, weights_only=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._tmp is not None:
             self._tmp.cleanup()
-
-
-def _sparse_weights(files: list[Path]) -> Path:
-    """The weights file that holds the tables: weights.pt, else a compiled package's (the sparse
-    part's, in a split archive)."""
-    names = {f.name: f for f in files}
-    for name in ("weights.pt", aoti_weights_file(Path("model_aoti.pt2")).name, aoti_weights_file(Path("sparse_aoti.pt2")).name):
-        if name in names:
-            return names[name]
-    raise FileNotFoundError(f"no table weights among {sorted(names)}")
 
 
 def _from_checkpoint(base: _BaseArchive, checkpoint: Path) -> Iterator[tuple[TableLayout, np.ndarray, np.ndarray]]:

@@ -15,10 +15,11 @@ in it: that quantizer adds a guard against batch 1, so such graphs are captured 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -91,29 +92,76 @@ def export_model(
 def compile_aoti(program: torch.export.ExportedProgram, path: Path) -> Path:
     """AOTInductor: the exported program compiled to a native package (C++ compiler needed), its
     weights beside it (``aoti_weights_file``), by name, to be memory-mapped at load rather than
-    copied out of the package's shared library."""
-    with quieter("torch.fx._symbolic_trace", warning_messages=_PYTREE_DEPRECATION):
+    copied out of the package's shared library. Every parameter stays a constant, so that a dense
+    swap reaches all of them."""
+    parameters = _parameter_constants(program)
+    with quieter("torch.fx._symbolic_trace", warning_messages=_PYTREE_DEPRECATION), _kept_as_constants(parameters):
         package = Path(
             torch._inductor.aoti_compile_and_package(
                 program,
                 package_path=str(path),
-                inductor_configs={"aot_inductor.package_constants_in_so": False},
+                inductor_configs={
+                    "aot_inductor.package_constants_in_so": False,
+                    # A weight whose elements are all equal (a 1-element scale of TorchAO's) would
+                    # be folded into the code, out of reach of a dense swap.
+                    "joint_graph_constant_folding": False,
+                },
             )
         )
     state = {**program.state_dict, **program.constants}
     needed = torch._inductor.aoti_load_package(str(package)).get_constant_fqns()
-    weights = {name: _constant(state, name) for name in needed}
+    weights = {name: package_constant(state, name) for name in needed}
     missing = [name for name, tensor in weights.items() if tensor is None]
     if missing:
         raise RuntimeError(f"{package}: needs weights that the exported program lacks: {missing}")
+    # A tensor subclass may leave an inner tensor unread (TorchAO's symmetric zero points).
+    inlined = sorted(n for n in parameters - set(weights) if ".parametrizations." not in n)
+    if inlined:
+        raise RuntimeError(f"{package}: parameters compiled in as literals, out of reach of a dense swap: {inlined}")
     torch.save(weights, aoti_weights_file(package))
     return package
+
+
+@contextlib.contextmanager
+def _kept_as_constants(names: set[str]) -> Iterator[None]:
+    """Inductor compiles a tensor attribute of at most 8 elements (the last layer's bias) into the
+    code as a literal. Its switch against that (``always_keep_tensor_constants``) also keeps small
+    anonymous constants whose values the package does not give back, so only the parameters
+    ``names`` are kept here, for the time of one compile."""
+    from torch._inductor.graph import GraphLowering as lowering  # imported by a compile anyway
+    get_attr = lowering.get_attr
+
+    def keeping(self, target, args, kwargs):  # type: ignore[no-untyped-def]
+        if target in names:
+            return self.add_tensor_constant(torch.fx.graph_module._get_attr(self.module, target), target)
+        return get_attr(self, target, args, kwargs)
+
+    lowering.get_attr = keeping
+    try:
+        yield
+    finally:
+        lowering.get_attr = get_attr
+
+
+def _parameter_constants(program: torch.export.ExportedProgram) -> set[str]:
+    """The constant names the program's parameters take in a package: their own, or for a tensor
+    subclass (TorchAO's int8 weights) one per inner tensor (see ``package_constant``)."""
+    names = set()
+    for name in program.graph_signature.parameters:
+        value = program.state_dict[name]
+        if type(value) in (torch.Tensor, torch.nn.Parameter):
+            names.add(name)
+        else:
+            owner, attr = name.rsplit(".", 1)
+            inner, _ = value.__tensor_flatten__()
+            names.update(f"{owner}.parametrizations.{attr}.original{i}" for i in range(len(inner)))
+    return names
 
 
 _FLATTENED = re.compile(r"^(?P<owner>.*)\.parametrizations\.(?P<attr>\w+)\.original(?P<index>\d+)$")
 
 
-def _constant(state: dict[str, Any], name: str) -> torch.Tensor | None:
+def package_constant(state: dict[str, Any], name: str) -> torch.Tensor | None:
     """The package's constant ``name``, from the program's state. AOTInductor stores a tensor
     subclass (TorchAO's int8 weights) as its inner tensors, named
     ``<owner>.parametrizations.<attr>.original<i>`` after the i-th of ``__tensor_flatten__``'s

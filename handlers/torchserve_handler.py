@@ -60,7 +60,7 @@ class DLRMHandler:
         options = HandlerOptions.from_mapping((context.model_yaml_config or {}).get("handler"))
         self.service = load_service(model_dir, options, gpu_id, model_name=context.model_name)
         pace = Pace.from_mapping((context.model_yaml_config or {}).get("freshness"))
-        self.freshness = WorkerFreshness.open(model_dir, options, pace)
+        self.freshness = WorkerFreshness.open(model_dir, options, self.service.model, pace)
         if isinstance(self.freshness, WorkerFreshness):
             self.service.model = LockedRunner(self.service.model, self.freshness.lock)
             self.freshness.start()  # the model's delta log replayed before the first request

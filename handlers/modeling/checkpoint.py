@@ -35,19 +35,25 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint(
-    model: nn.Module, state_dict: dict[str, torch.Tensor], mapping: CheckpointMapping
+    model: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    mapping: CheckpointMapping,
+    skip: str | None = None,
 ) -> str | None:
     """Loads a trained state dict strictly, after the spec's name mapping (or a training
     wrapper's prefix, detected where the spec maps nothing). Returns what was stripped, if a
-    wrapper was detected.
+    wrapper was detected. ``skip``: a prefix of the model's names (its tables) neither loaded nor
+    expected, so that a checkpoint of the other weights alone loads too.
 
     Raises ``CheckpointError`` listing every missing, unexpected and mis-shaped key at once.
     """
-    expected = model.state_dict()
-    detected = None if mapping.prefixes else _wrapper_prefix(state_dict, set(expected))
+    expected = {k: v for k, v in model.state_dict().items() if skip is None or not k.startswith(skip)}
+    detected = None if mapping.prefixes else _wrapper_prefix(state_dict, set(expected), skip)
     if detected is not None:
         mapping = CheckpointMapping(prefixes={detected: ""})
     mapped = {mapping.apply(k): v for k, v in state_dict.items()}
+    if skip is not None:
+        mapped = {k: v for k, v in mapped.items() if not k.startswith(skip)}
     missing = sorted(set(expected) - set(mapped))
     unexpected = sorted(set(mapped) - set(expected))
     misshaped = sorted(
@@ -67,17 +73,20 @@ def load_checkpoint(
             + ". Map other names with checkpoint_mapping.prefixes in the spec; shapes come from "
             "its tables (rows, dim) and MLP sizes"
         )
-    model.load_state_dict(mapped, strict=True)
+    model.load_state_dict(mapped, strict=skip is None)
     if detected is None:
         return None
     return f"stripped the prefix {detected!r} of {WRAPPER_PREFIXES[detected]}'s wrapper"
 
 
-def _wrapper_prefix(state_dict: dict[str, torch.Tensor], expected: set[str]) -> str | None:
+def _wrapper_prefix(state_dict: dict[str, torch.Tensor], expected: set[str], skip: str | None) -> str | None:
+    def kept(names: set[str]) -> set[str]:
+        return {n for n in names if skip is None or not n.startswith(skip)}
+
     names = set(state_dict)
-    if names == expected:
+    if kept(names) == expected:
         return None
     for prefix in WRAPPER_PREFIXES:
-        if all(n.startswith(prefix) for n in names) and {n[len(prefix):] for n in names} == expected:
+        if all(n.startswith(prefix) for n in names) and kept({n[len(prefix):] for n in names}) == expected:
             return prefix
     return None

@@ -12,7 +12,7 @@ and calls the model; ``PlainInputs`` does the same from positional tensors, for 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -20,7 +20,9 @@ from torch import nn
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import input_schema
 from handlers.modeling.spec import ModelSpec
+from handlers.modeling.weights import InferenceWeights
 from handlers.runtime.batching import Batch
+from handlers.runtime.freshness.delta_file import DenseShapes, dense_shapes
 from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds
 from handlers.runtime.quiet import quieter
 from handlers.runtime.service import ScoringService
@@ -99,13 +101,36 @@ def eager_service(spec: ModelSpec, model: nn.Module) -> ScoringService:
     return ScoringService(schema, EagerModel(model, schema.tags))
 
 
+class SwappableEagerModel(EagerModel):
+    """The archive's eager model, whose dense weights swap whole (``freshness.dense.DenseSlot``):
+    a second model is built around the same mapped tables with the new dense weights (its dense
+    layers are the one extra copy), then replaces the served one; a forward under way keeps the
+    model it started with."""
+
+    def __init__(self, factory: DLRMFactory, weights: InferenceWeights, device: torch.device) -> None:
+        self.factory = factory
+        self.weights = weights
+        super().__init__(self._model(weights.dense, device), input_schema(factory.spec).tags, device)
+
+    def _model(self, dense: Mapping[str, torch.Tensor], device: torch.device) -> nn.Module:
+        weights = InferenceWeights(self.weights.tables, dict(dense), self.weights.buffers)
+        return self.factory.inference_model(weights, device)
+
+    def dense_shapes(self) -> DenseShapes | str:
+        if self.device.type != "cpu" or self.factory.spec.is_sharded:
+            return "its tables are copied into the model at load; a second model would copy them again"
+        return dense_shapes(self.weights.dense)
+
+    def swap_dense(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        self.module = self._model(self.weights.dense if tensors is None else tensors, self.device)
+
+
 def load_eager_model(
     spec: ModelSpec, weights_path: Path, device: torch.device = torch.device("cpu")
-) -> EagerModel:
+) -> SwappableEagerModel:
     """The archive's eager model: the factory's TorchRec modules on the memory-mapped weights."""
     factory = DLRMFactory(spec)
-    model = factory.inference_model(factory.load_weights(weights_path), device)
-    return EagerModel(model, input_schema(spec).tags, device)
+    return SwappableEagerModel(factory, factory.load_weights(weights_path), device)
 
 
 def load_eager_lookups(spec: ModelSpec, weights_path: Path) -> EagerModel:

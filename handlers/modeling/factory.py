@@ -102,6 +102,14 @@ class DLRMFactory:
         training wrapper's prefix it detects); returns what it stripped, if anything."""
         return checkpoint.load_checkpoint(model, state_dict, self.spec.checkpoint_mapping)
 
+    def dense_weights(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The float dense weights of a trained checkpoint, whole or without its tables (what a
+        dense delta is made from): no table is allocated."""
+        torch.manual_seed(0)  # the dense layers' init, all overwritten
+        model = self._build(self._float_ebc("meta"), torch.device("cpu"))
+        checkpoint.load_checkpoint(model, state_dict, self.spec.checkpoint_mapping, skip=EBC_PATH + ".")
+        return _dense_state(model)
+
     # -- served weights ------------------------------------------------------------------------
 
     def quantize(self, float_model: nn.Module) -> InferenceWeights:
@@ -191,14 +199,12 @@ class DLRMFactory:
         ``weights.buffers`` (a loaded file) an unsharded CPU model uses them without a copy.
         """
         model = self._with_tables(weights, device or torch.device(self.spec.sharding.device))
-        missing, unexpected = model.load_state_dict(weights.dense, strict=False)
-        dense_missing = [k for k in missing if not k.startswith(EBC_PATH + ".")]
-        if dense_missing or unexpected:
-            raise CheckpointError(
-                f"inference weights do not match the spec: missing {dense_missing}, "
-                f"unexpected {unexpected}"
-            )
-        return apply_dense_precision(model, self.spec).eval()
+        return self._with_dense(model, weights.dense)
+
+    def dense_model(self, dense: dict[str, torch.Tensor]) -> nn.Module:
+        """The served model's dense layers (in the spec's precision) around tables that are never
+        allocated: for reading the dense part's served weights."""
+        return self._with_dense(self._quant_model(torch.device("cpu")), dense)
 
     def lookups(self, weights: InferenceWeights) -> nn.Module:
         """Only the served model's sparse part (the architecture's ``split``): its tables, as in
@@ -208,6 +214,16 @@ class DLRMFactory:
         return sparse.eval()
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _with_dense(self, model: nn.Module, dense: dict[str, torch.Tensor]) -> nn.Module:
+        missing, unexpected = model.load_state_dict(dense, strict=False)
+        dense_missing = [k for k in missing if not k.startswith(EBC_PATH + ".")]
+        if dense_missing or unexpected:
+            raise CheckpointError(
+                f"inference weights do not match the spec: missing {dense_missing}, "
+                f"unexpected {unexpected}"
+            )
+        return apply_dense_precision(model, self.spec).eval()
 
     def _build(self, ebc: nn.Module, device: torch.device) -> nn.Module:
         return self.architecture.build(self.spec, ebc, device)

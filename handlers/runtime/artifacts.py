@@ -15,14 +15,19 @@ it calls, nothing of the code that built it.
 from __future__ import annotations
 
 import enum
+import shutil
+import tempfile
+import zipfile
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch.export.passes import move_to_device_pass
 
 from handlers.runtime import fbgemm_ops  # noqa: F401  the TBE operators the graphs call
 from handlers.runtime.batching import Batch, plain_arguments
+from handlers.runtime.freshness.delta_file import DenseShapes, dense_shapes
+from handlers.runtime.freshness.dense import is_table_constant
 from handlers.runtime.inputs import InputTag
 from handlers.runtime.quiet import quieter
 
@@ -56,6 +61,63 @@ def aoti_weights_file(package: Path) -> Path:
     return package.with_name(f"{package.stem}_weights.pt")
 
 
+class CompiledPackage:
+    """An AOTInductor package's model container, its constants (the weights) mapped from the file
+    beside it and used in place (user-managed): the tables cost page cache shared by every worker,
+    so they must live as long as the container does.
+
+    ``swap`` is how dense weights change while it serves: the container's inactive constant buffer
+    is filled (the active constants, some replaced), then made active; AOTInductor switches
+    between runs, so a run sees either set whole, never a mix, and nothing is recompiled.
+
+        package = CompiledPackage(Path("model_aoti.pt2"))
+        logits = package(dense, values, lengths)
+        package.swap({"model.over_arch.model.1.weight": new_weight, ...})
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.runner = _container(path)
+        self._internal = {fqn: name for name, fqn in self.runner.get_constant_names_to_original_fqns().items()}
+        self.original = torch.load(aoti_weights_file(path), mmap=True, weights_only=True)
+        missing = sorted(set(self._internal) - set(self.original))
+        if missing:
+            raise ValueError(f"{path}: its weights file lacks constants {missing}")
+        self.active = {name: self.original[name] for name in self._internal}
+        self.runner.update_constant_buffer(self._by_internal(self.active), False, True, True)
+
+    def __call__(self, *arguments: torch.Tensor) -> torch.Tensor:
+        (output,) = self.runner.run(list(arguments))
+        return output
+
+    def swap(self, changed: Mapping[str, torch.Tensor]) -> None:
+        """Makes the active constants, with ``changed`` replaced, the ones the next run uses;
+        the previous set is released once the swap is done (one extra copy, during it)."""
+        unknown = sorted(set(changed) - set(self._internal))
+        if unknown:
+            raise KeyError(f"no such constants in the package: {unknown}")
+        constants = {**self.active, **changed}
+        self.runner.update_constant_buffer(self._by_internal(constants), True, True, True)
+        self.runner.swap_constant_buffer()
+        self.runner.free_inactive_constant_buffer()
+        self.active = constants
+
+    def _by_internal(self, constants: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self._internal[fqn]: tensor for fqn, tensor in constants.items()}
+
+
+def _container(package: Path) -> "torch._C._aoti.AOTIModelContainerRunnerCpu":
+    """The package's compiled model, loaded from a private unpacked copy that is deleted once
+    loaded. Its custom objects (TorchRec's TBE script objects) must lie beside the library."""
+    with tempfile.TemporaryDirectory(prefix="aoti-") as folder, zipfile.ZipFile(package) as archive:
+        archive.extractall(folder)
+        libraries = sorted(Path(folder).glob("*/data/aotinductor/model/*.so"))
+        if len(libraries) != 1:
+            raise ValueError(f"{package}: expected one compiled model, found {len(libraries)}")
+        for custom_object in Path(folder).glob("*/data/constants/custom_obj_*"):
+            shutil.copy(custom_object, libraries[0].parent)
+        return torch._C._aoti.AOTIModelContainerRunnerCpu(str(libraries[0]), 1)
+
+
 class GraphModel:
     """A loaded exported program or AOTInductor package, called with the coalescer's batch; its
     inputs go to ``device`` (an exported program captured on the cpu is moved there at load)."""
@@ -70,11 +132,7 @@ class GraphModel:
         if artifact == Artifact.AOTI:
             if device.type != "cpu":
                 raise ValueError(f"{path}: compiled for cpu; an exported program can move to {device}")
-            self.run = torch._inductor.aoti_load_package(str(path))
-            # Mapped, not read: the tables cost page cache shared by every worker, and the package
-            # uses these tensors in place (user-managed), so they must live as long as it does.
-            self.weights = torch.load(aoti_weights_file(Path(path)), mmap=True, weights_only=True)
-            self.run.load_constants(self.weights, check_full_update=True, user_managed=True)
+            self.run = CompiledPackage(Path(path))
         elif artifact == Artifact.EXPORTED:
             # Unbacked sizes of the jagged inputs (u0, u1, ...) that the saved graph no longer
             # names are logged as warnings when it is read back; they are not used.
@@ -93,3 +151,16 @@ class GraphModel:
         if self.device.type != "cpu":
             arguments = tuple(a.to(self.device) for a in arguments)
         return self.run(*arguments)
+
+    # A ``freshness.dense.DenseSlot``: a compiled package swaps its dense constants.
+
+    def dense_shapes(self) -> DenseShapes | str:
+        if not isinstance(self.run, CompiledPackage):
+            return "an exported program keeps its weights inside its graph module; build aoti to swap dense weights"
+        return dense_shapes({n: t for n, t in self.run.original.items() if not is_table_constant(n)})
+
+    def swap_dense(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        assert isinstance(self.run, CompiledPackage), "dense_shapes() said this runner cannot swap"
+        if tensors is None:
+            tensors = {n: t for n, t in self.run.original.items() if not is_table_constant(n)}
+        self.run.swap(tensors)

@@ -72,12 +72,29 @@ def setup(tmp_path_factory):
                    deltas / f"{artifact.value}-1.delta", sequence=1)
     make_delta(fresh, DeltaSource(checkpoint=base), deltas / "other-base-1.delta", sequence=1)
     make_delta(store / "tiny_eager.mar", DeltaSource(checkpoint=newer), deltas / "eager-2.delta", sequence=2)
+    newest = _newer_dense(newer)
+    make_delta(store / "tiny_aoti.mar", DeltaSource(checkpoint=newest, dense=newest), deltas / "dense-1.delta",
+               sequence=1, name="tiny_dense")
+    fresh_dense = _build(newest, root / "fresh_dense", "tiny", Artifact.EAGER)
     expected = {
         "old": _scores(archive_service(store / "tiny_eager.mar", root / "old")),
         "new": _scores(archive_service(fresh, root / "new")),
+        "dense": _scores(archive_service(fresh_dense, root / "dense")),
     }
     assert expected["old"] != pytest.approx(expected["new"], abs=1e-4)
+    assert expected["new"] != pytest.approx(expected["dense"], abs=1e-4)
     return {"root": root, "store": store, "deltas": deltas, "expected": expected, "newer": newer}
+
+
+def _newer_dense(checkpoint: Path) -> Path:
+    """``checkpoint`` with its dense layers trained further too."""
+    state = torch.load(checkpoint, weights_only=True)
+    generator = torch.Generator().manual_seed(2)
+    for key, value in state.items():
+        if ".embedding_bags." not in key and value.is_floating_point():
+            value += 0.1 * torch.randn(value.shape, generator=generator)
+    torch.save(state, checkpoint.with_name("newest.pt"))
+    return checkpoint.with_name("newest.pt")
 
 
 def _scores(service) -> list[float]:
@@ -134,6 +151,49 @@ def test_a_delta_published_under_load_moves_scores_with_no_failed_request(setup,
     again = _publish(server, model, f"{artifact}-1.delta")  # idempotent
     assert again.status_code == 200 and again.json()["duplicate"], again.text
     assert _applied(server, model, 1)["rows_applied"] == state["rows_applied"]
+
+
+def _dense_served(server: LocalTorchServe, model: str, sequence: int, workers: int, timeout_s: float = 30) -> dict:
+    """The state once ``workers`` workers serve the dense weights of delta ``sequence``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = server.management("GET", f"/freshness/{model}").json()
+        serving = [w.get("dense_sequence") for w in state["workers"]]
+        if serving == [sequence] * workers:
+            return state
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+
+
+def test_dense_weights_swap_whole_in_every_worker_with_no_failed_request(setup, server):
+    """A delta with rows and dense weights, on an AOTInductor package served by two workers: each
+    swaps its constant buffer; scores become a fresh build's; a new worker starts with them; a
+    rollback swaps the archive's own back."""
+    model = "tiny_dense"
+    assert server.register("tiny_aoti.mar", model_name=model, initial_workers=2).status_code == 200
+    traffic = TrafficModel(items_per_request=1).generate(SPEC, 64, seed=2)
+    with BackgroundLoad(f"{server.inference_url}/predictions/{model}", server.auth("inference"), traffic, rate=100) as load:
+        time.sleep(0.5)
+        published = _publish(server, model, "dense-1.delta")
+        assert published.status_code == 200, published.text
+        state = _dense_served(server, model, 1, workers=2)
+        time.sleep(0.3)
+    assert load.result.statuses == {"200": load.result.requests}, load.result.statuses
+    assert all(w["dense_swap_s"] is not None for w in state["workers"])
+    for _ in range(4):  # both workers answer in turn
+        assert _served(server, model) == pytest.approx(setup["expected"]["dense"], abs=1e-6)
+
+    scaled = server.management("PUT", f"/models/{model}", params={"min_worker": 3, "synchronous": "true"})
+    assert scaled.status_code == 200, scaled.text
+    _dense_served(server, model, 1, workers=3)
+    for _ in range(6):
+        assert _served(server, model) == pytest.approx(setup["expected"]["dense"], abs=1e-6)
+
+    rolled = server.management("POST", f"/freshness/{model}", params={"rollback_to": 0})
+    assert rolled.status_code == 200, rolled.text
+    _dense_served(server, model, 0, workers=3)
+    for _ in range(6):
+        assert _served(server, model) == pytest.approx(setup["expected"]["old"], abs=1e-6)
 
 
 def _damaged(setup, name: str, damage, source: str = "eager-2.delta") -> str:

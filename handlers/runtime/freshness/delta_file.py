@@ -1,18 +1,24 @@
-"""The delta file: the rows of a model's tables that changed, in their served form, for one
-publish. Written in one pass (a table of any size streams through in chunks), read back by
-mapping it, and checked whole before anything is applied.
+"""The delta file: the rows of a model's tables that changed, in their served form, and
+optionally the whole dense part's new weights, for one publish. Written in one pass (a table of any
+size streams through in chunks), read back by mapping it, and checked whole before anything is
+applied.
 
-Layout: the table sections, then a JSON header, then the header's length (u64, little-endian) and
-the magic ``TRSDELT1``::
+Layout: the table sections, the dense section, then a JSON header, then the header's length (u64,
+little-endian) and the magic ``TRSDELT1``::
 
-    [section 0: count x (id int64 LE, row row_bytes)] [section 1] ... [header JSON] [u64] [magic]
+    [table 0: count x (id int64 LE, row row_bytes)] [table 1] ... [dense tensors] [header] [u64] [magic]
 
     {"format": 1, "model": "criteo", "base": "<fingerprint of the archive's weights>",
      "sequence": 3, "created_at": "2026-11-23T07:00:00+00:00",
      "tables": [{"name": "cat_0", "dtype": "int8", "dim": 64, "row_bytes": 68, "count": 1000,
-                 "offset": 0, "sha256": "..."}]}
+                 "offset": 0, "sha256": "..."}],
+     "dense": {"offset": 68000, "sha256": "...", "tensors": [
+                 {"name": "model.over_arch.model.0._mlp.0._linear.weight", "dtype": "float32",
+                  "shape": [512, 479], "offset": 0, "nbytes": 980992}, ...]}}   # or null
 
-A row is exactly what the table holds (``layout.TableLayout``), so applying one is a copy.
+A row is exactly what the table holds (``layout.TableLayout``), so applying one is a copy. The
+dense tensors are named and shaped as the served artifact holds them (an AOTInductor package's
+constants, an eager archive's float dense state): every one of them, since dense weights swap whole.
 """
 
 from __future__ import annotations
@@ -20,13 +26,15 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
+import math
 import os
 import struct
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 import orjson
+import torch
 
 from handlers.runtime.errors import BadRequest
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout
@@ -60,12 +68,45 @@ class TableSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class DenseTensor:
+    name: str
+    dtype: str  # torch's name: float32, bfloat16, int8, ...
+    shape: tuple[int, ...]
+    offset: int  # from the dense section's start
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseSection:
+    offset: int
+    sha256: str
+    tensors: tuple[DenseTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+# What a dense section must hold: every served dense tensor's (dtype, shape), by name.
+DenseShapes = Mapping[str, tuple[str, tuple[int, ...]]]
+
+
+def dense_shapes(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {name: (_dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True)
 class DeltaHeader:
     model: str
     base: str
     sequence: int
     created_at: str
     tables: tuple[TableSection, ...]
+    dense: DenseSection | None = None
 
     @property
     def rows(self) -> int:
@@ -77,6 +118,7 @@ class DeltaWriter:
 
         with DeltaWriter(path, model="criteo", base=layout.fingerprint, sequence=1) as out:
             out.add(layout.table("cat_0"), ids, rows)       # int64 [n], uint8 [n, row_bytes]
+        out.add_dense({"model.over_arch...weight": tensor, ...})  # optional, after the tables
     """
 
     def __init__(self, path: Path, *, model: str, base: str, sequence: int) -> None:
@@ -88,9 +130,12 @@ class DeltaWriter:
         self._sections: dict[str, dict] = {}
         self._hashes: dict[str, "hashlib._Hash"] = {}
         self._current: str | None = None
+        self._dense: dict | None = None
 
     def add(self, table: TableLayout, ids: np.ndarray, rows: np.ndarray) -> None:
         """Appends rows of ``table``; a table's chunks must come one after another."""
+        if self._dense is not None:
+            raise ValueError("the dense section comes after every table's rows")
         if table.name in self._sections and self._current != table.name:
             raise ValueError(f"table {table.name}: its rows must be added in one run")
         if table.name not in self._sections:
@@ -112,11 +157,24 @@ class DeltaWriter:
         self._hashes[table.name].update(data)
         self._sections[table.name]["count"] += len(ids)
 
+    def add_dense(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The dense part's new weights, every tensor of it, as the served artifact names them."""
+        if self._dense is not None:
+            raise ValueError("a delta holds one dense section")
+        start, sha, entries = self._file.tell(), hashlib.sha256(), []
+        for name, tensor in tensors.items():
+            data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+            entries.append({"name": name, "dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape),
+                            "offset": self._file.tell() - start, "nbytes": len(data)})
+            self._file.write(data)
+            sha.update(data)
+        self._dense = {"offset": start, "sha256": sha.hexdigest(), "tensors": entries}
+
     def close(self) -> Path:
         tables = []
         for name, section in self._sections.items():
             tables.append({**section, "sha256": self._hashes[name].hexdigest()})
-        header = orjson.dumps({**self._header, "tables": tables})
+        header = orjson.dumps({**self._header, "tables": tables, "dense": self._dense})
         self._file.write(header)
         self._file.write(_TRAILER.pack(len(header), MAGIC))
         self._file.flush()
@@ -154,6 +212,18 @@ class Delta:
         for start in range(0, len(records), rows_per_chunk):
             yield records[start : start + rows_per_chunk]
 
+    def dense(self) -> dict[str, torch.Tensor]:
+        """The dense section's tensors, copied out of the file (the inactive copy a swap fills)."""
+        section = self.header.dense
+        if section is None:
+            return {}
+        tensors = {}
+        for t in section.tensors:
+            start = section.offset + t.offset
+            raw = torch.from_numpy(self._data[start : start + t.nbytes].copy())
+            tensors[t.name] = raw.view(getattr(torch, t.dtype)).reshape(t.shape)
+        return tensors
+
 
 def read_header(path: Path) -> DeltaHeader:
     """The header alone; a file that is not a whole delta is a ``DeltaError``."""
@@ -175,10 +245,15 @@ def _read_header(path: Path) -> tuple[DeltaHeader, int]:
             raw = orjson.loads(file.read(length))
             if raw.get("format") != FORMAT:
                 raise DeltaError("delta.format", f"must be {FORMAT}, got {raw.get('format')!r}")
+            dense = raw.get("dense")
             header = DeltaHeader(
                 model=str(raw["model"]), base=str(raw["base"]), sequence=int(raw["sequence"]),
                 created_at=str(raw["created_at"]),
                 tables=tuple(TableSection(**t) for t in raw["tables"]),
+                dense=None if dense is None else DenseSection(
+                    offset=int(dense["offset"]), sha256=str(dense["sha256"]),
+                    tensors=tuple(DenseTensor(**{**t, "shape": tuple(t["shape"])}) for t in dense["tensors"]),
+                ),
             )
             return header, size - _TRAILER.size - length
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
@@ -215,4 +290,35 @@ def read_delta(path: Path, layout: TablesLayout) -> Delta:
             raise DeltaError(f"{field}.ids", f"id {bad} is outside the table's {table.rows} rows")
         if len(np.unique(ids)) != len(ids):
             raise DeltaError(f"{field}.ids", "an id is given more than once")
+    if header.dense is not None:
+        _check_dense_bytes(delta, header.dense, header_start)
     return delta
+
+
+def _check_dense_bytes(delta: Delta, section: DenseSection, header_start: int) -> None:
+    end = section.offset + section.nbytes
+    if section.offset < 0 or end > header_start:
+        raise DeltaError("dense", "its tensors lie outside the file: truncated")
+    for t in section.tensors:
+        dtype = getattr(torch, t.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise DeltaError(f"dense.{t.name}.dtype", f"unknown dtype {t.dtype!r}")
+        if math.prod(t.shape) * dtype.itemsize != t.nbytes:
+            raise DeltaError(f"dense.{t.name}.nbytes", f"{t.nbytes} bytes do not hold {t.dtype} {list(t.shape)}")
+    if hashlib.sha256(delta._data[section.offset : end].data).hexdigest() != section.sha256:
+        raise DeltaError("dense.sha256", "does not match its tensors: the file is damaged")
+
+
+def check_dense(section: DenseSection, served: DenseShapes) -> None:
+    """A dense section must give every served dense tensor, as the served artifact holds it (a
+    whole-module swap); raises ``DeltaError`` naming the first tensor that does not fit."""
+    given = {t.name: t for t in section.tensors}
+    for name, (dtype, shape) in served.items():
+        t = given.get(name)
+        if t is None:
+            raise DeltaError(f"dense.{name}", "missing: a dense section gives every dense tensor of the model")
+        if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+            raise DeltaError(f"dense.{name}", f"is {t.dtype} {list(t.shape)}, the served one {dtype} {list(shape)}")
+    extra = sorted(set(given) - set(served))
+    if extra:
+        raise DeltaError(f"dense.{extra[0]}", "no such dense tensor in the served model")

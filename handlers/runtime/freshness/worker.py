@@ -9,7 +9,13 @@ load, a worker applies whatever the log holds beyond the folder's state, unpaced
 one that holds the writer lock applies new deltas at the model's pace; if it dies, another takes
 the lock and resumes where the state file says.
 
-    freshness = WorkerFreshness.open(model_dir, options, pace)   # or a str: why no deltas
+Dense weights are each worker's own: once the rows of a delta with a dense section are applied,
+every worker swaps the section's weights in whole (``freshness.dense``) at its next look at the
+log. A worker serves the dense weights of the newest delta applied that has some (the archive's
+own when none has: after a rollback past them too). Each worker notes what it serves in
+``freshness-workers/<pid>.json``, which the state call reports.
+
+    freshness = WorkerFreshness.open(model_dir, options, runner, pace)   # or a str: why no deltas
     runner = LockedRunner(runner, freshness.lock)                # every forward holds it shared
     freshness.start()                                            # replay, then follow the log
     freshness.command({"op": "check", "delta": path})         # the plugin's calls -> JSON answer
@@ -32,13 +38,15 @@ from handlers.runtime.artifacts import Artifact, aoti_weights_file
 from handlers.runtime.batching import Batch
 from handlers.runtime.errors import ServingError
 from handlers.runtime.freshness.applier import AppliedState, Pace, RowLock, TableWriter, apply_delta, write_rows
-from handlers.runtime.freshness.delta_file import DeltaError, read_delta, read_header
+from handlers.runtime.freshness.delta_file import DeltaError, check_dense, read_delta, read_header
+from handlers.runtime.freshness.dense import DenseSlot, dense_slot
 from handlers.runtime.freshness.layout import LAYOUT_FILE, TablesLayout, table_buffers
 from handlers.runtime.options import HandlerOptions
 
 logger = logging.getLogger(__name__)
 
 LOG_POINTER = "freshness-log.json"
+WORKERS_FOLDER = "freshness-workers"
 FOLLOW_EVERY_S = 0.2
 
 
@@ -64,19 +72,28 @@ def tables_file(model_dir: Path, options: HandlerOptions) -> tuple[Path | None, 
 
 
 class WorkerFreshness:
-    def __init__(self, model_dir: Path, weights_file: Path, layout: TablesLayout, pace: Pace) -> None:
+    def __init__(
+        self, model_dir: Path, weights_file: Path, layout: TablesLayout, pace: Pace, dense: DenseSlot | str
+    ) -> None:
         self.model_dir = model_dir
         self.weights_file = weights_file
         self.layout = layout
         self.pace = pace
+        self.dense = dense  # or why this worker cannot swap dense weights
         self.lock = RowLock(model_dir)
         self._writer_lock = RowLock(model_dir)  # its own open file: excludes this process's readers
         self._writer: TableWriter | None = None
         self._thread: threading.Thread | None = None
+        self._has_dense: dict[tuple[int, int], bool] = {}  # the log's deltas (by file): which have dense weights
+        self.dense_sequence = 0  # the delta whose dense weights this worker serves (0: the archive's)
+        self._dense_file: tuple[int, int] | None = None  # that delta's file (a rolled-back one may be replaced)
+        self.dense_swap_s: float | None = None
         self.error: str | None = None
 
     @classmethod
-    def open(cls, model_dir: Path, options: HandlerOptions, pace: Pace = Pace()) -> "WorkerFreshness | str":
+    def open(
+        cls, model_dir: Path, options: HandlerOptions, runner: object, pace: Pace = Pace()
+    ) -> "WorkerFreshness | str":
         """The worker's freshness, or why this archive cannot take deltas."""
         if not (model_dir / LAYOUT_FILE).exists():
             return f"the archive has no {LAYOUT_FILE}: rebuild it with this version to publish deltas"
@@ -86,7 +103,7 @@ class WorkerFreshness:
         weights_file, unsupported = tables_file(model_dir, options)
         if weights_file is None:
             return f"a {options.describe()} archive cannot take deltas: {unsupported}"
-        return cls(model_dir, weights_file, layout, pace)
+        return cls(model_dir, weights_file, layout, pace, dense_slot(runner))
 
     # -- serving ---------------------------------------------------------------------------------
 
@@ -99,6 +116,9 @@ class WorkerFreshness:
             self._catch_up(log, paced=False)  # at once, when another worker holds the writer lock
             if AppliedState.read(self.model_dir).sequence < head:
                 time.sleep(0.05)
+        if log is not None:
+            self._sync_dense(log)
+        self._note_worker()
         self._thread = threading.Thread(target=self._follow, name="freshness", daemon=True)
         self._thread.start()
 
@@ -130,6 +150,7 @@ class WorkerFreshness:
             "rows_applied": state.rows_applied,
             "updated_at": state.updated_at,
             "error": self.error,
+            "workers": _live_workers(self.model_dir / WORKERS_FOLDER),
         }
 
     def _check(self, path: Path, log: Path) -> dict[str, Any]:
@@ -145,6 +166,10 @@ class WorkerFreshness:
         if header.sequence != head + 1:
             raise DeltaError("delta.sequence", f"must be {head + 1} (the log's next), got {header.sequence}")
         read_delta(path, self.layout)  # every section: table, dtype, dim, checksum, ids
+        if header.dense is not None:
+            if isinstance(self.dense, str):
+                raise DeltaError("dense", f"this archive cannot swap dense weights: {self.dense}")
+            check_dense(header.dense, self.dense.dense_shapes())  # type: ignore[arg-type]  # a slot's are shapes
         return {"status": 200, "duplicate": False, "sequence": header.sequence, "rows": header.rows,
                 "model": header.model}
 
@@ -197,6 +222,7 @@ class WorkerFreshness:
                 continue
             try:
                 self._catch_up(log, paced=True)
+                self._sync_dense(log)
                 self.error = None
             except Exception as e:  # a bad log entry must not stop the worker serving
                 if self.error != str(e):
@@ -223,6 +249,58 @@ class WorkerFreshness:
                             undo=undo_file(log, delta.header.sequence))
                 logger.info("applied delta %d (%d rows) in %.2fs", delta.header.sequence, delta.header.rows,
                             time.perf_counter() - started)
+
+
+    def _sync_dense(self, log: Path) -> None:
+        """Swaps in the dense weights this worker should serve: those of the newest applied delta
+        that has a dense section, or the archive's own."""
+        if isinstance(self.dense, str):
+            return
+        applied = AppliedState.read(self.model_dir).sequence
+        entries = log_entries(log)
+        wanted = max((s for s, path in entries.items() if s <= applied and self._dense_in(path)), default=0)
+        source = _identity(entries[wanted]) if wanted else None
+        if source == self._dense_file:
+            return
+        started = time.perf_counter()
+        self.dense.swap_dense(read_delta(entries[wanted], self.layout).dense() if wanted else None)
+        self.dense_swap_s = time.perf_counter() - started
+        self.dense_sequence, self._dense_file = wanted, source
+        self._note_worker()
+        logger.info("serving the dense weights of delta %d (swapped in %.3fs)", wanted, self.dense_swap_s)
+
+    def _dense_in(self, path: Path) -> bool:
+        key = _identity(path)
+        if key not in self._has_dense:
+            self._has_dense[key] = read_header(path).dense is not None
+        return self._has_dense[key]
+
+    def _note_worker(self) -> None:
+        """What this worker serves, for the state call (answered by any of the model's workers)."""
+        folder = self.model_dir / WORKERS_FOLDER
+        folder.mkdir(exist_ok=True)
+        note = folder / f"{os.getpid()}.json"
+        staged = note.with_name(note.name + ".tmp")
+        staged.write_bytes(orjson.dumps({"pid": os.getpid(), "dense_sequence": self.dense_sequence,
+                                         "dense_swap_s": self.dense_swap_s, "since": time.time()}))
+        os.replace(staged, note)
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    status = path.stat()
+    return status.st_ino, status.st_mtime_ns
+
+
+def _live_workers(folder: Path) -> list[dict[str, Any]]:
+    """The notes of the model's workers that are still running."""
+    notes = []
+    for note in sorted(Path(folder).glob("*.json")):
+        try:
+            os.kill(int(note.stem), 0)
+            notes.append(orjson.loads(note.read_bytes()))
+        except (ProcessLookupError, ValueError, FileNotFoundError):
+            continue
+    return notes
 
 
 def undo_file(log: Path, sequence: int) -> Path:

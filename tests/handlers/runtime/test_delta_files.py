@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from handlers.runtime.freshness.applier import AppliedState, Pace, RowLock, TableWriter, apply_delta
-from handlers.runtime.freshness.delta_file import DeltaError, DeltaWriter, read_delta, read_header
+from handlers.runtime.freshness.delta_file import (
+    DeltaError,
+    DeltaWriter,
+    check_dense,
+    dense_shapes,
+    read_delta,
+    read_header,
+)
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout, table_buffers
 
 TABLES = (
@@ -80,6 +87,43 @@ def test_a_damaged_delta_is_refused(tmp_path, damage, problem):
     path = _write(tmp_path / "d.delta")
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(DeltaError, match=problem):
+        read_delta(path, LAYOUT)
+
+
+DENSE = {"top.weight": torch.randn(3, 5), "top.bias": torch.randn(3).bfloat16(), "top.q": torch.randint(-9, 9, (2, 2), dtype=torch.int8)}
+
+
+def _with_dense(path):
+    with DeltaWriter(path, model="m", base=LAYOUT.fingerprint, sequence=1) as out:
+        out.add(TABLES[0], np.array([3]), _rows(TABLES[0], 1, 5))
+        out.add_dense(DENSE)
+    return path
+
+
+def test_dense_weights_read_back_exactly_and_must_fit_the_served_ones(tmp_path):
+    delta = read_delta(_with_dense(tmp_path / "d.delta"), LAYOUT)
+    read = delta.dense()
+    assert list(read) == list(DENSE) and all(torch.equal(read[n], DENSE[n]) for n in DENSE)
+    assert delta.records(delta.header.tables[0])["id"].tolist() == [3]
+    check_dense(delta.header.dense, dense_shapes(DENSE))
+    for served, field in (
+        ({**dense_shapes(DENSE), "top.extra": ("float32", (1,))}, "dense.top.extra"),  # one missing
+        ({n: v for n, v in dense_shapes(DENSE).items() if n != "top.q"}, "dense.top.q"),  # one unknown
+        ({**dense_shapes(DENSE), "top.bias": ("float32", (3,))}, "dense.top.bias"),  # another dtype
+        ({**dense_shapes(DENSE), "top.weight": ("float32", (5, 3))}, "dense.top.weight"),  # another shape
+    ):
+        with pytest.raises(DeltaError) as refused:
+            check_dense(delta.header.dense, served)
+        assert refused.value.field == field
+
+
+def test_damaged_dense_weights_are_refused(tmp_path):
+    path = _with_dense(tmp_path / "d.delta")
+    data = bytearray(path.read_bytes())
+    start = read_header(path).dense.offset  # type: ignore[union-attr]
+    data[start + 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(DeltaError, match="dense.sha256"):
         read_delta(path, LAYOUT)
 
 

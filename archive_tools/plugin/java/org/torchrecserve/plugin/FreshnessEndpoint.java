@@ -8,6 +8,7 @@ import io.netty.handler.codec.http.QueryStringDecoder;
 import java.io.File;
 import java.io.IOException;
 import java.nio.charset.StandardCharsets;
+import java.util.HashMap;
 import java.util.LinkedHashMap;
 import java.util.Map;
 import java.util.concurrent.ConcurrentHashMap;
@@ -35,7 +36,7 @@ import org.pytorch.serve.wlm.WorkerThread;
  *       release a plugin request's body before the plugin runs). A worker checks it whole (base
  *       archive, next sequence, tables, dtypes, dims, ids, checksums); then it is copied into the
  *       model's delta log and flushed to disk, and only then answered 200. The workers apply it
- *       from the log at the model's pace. Publishing the same delta again is answered as before,
+ *       from the log at the model's pace (and swap in its dense weights, if it has some). Publishing the same delta again is answered as before,
  *       with nothing applied twice; anything wrong is a 4xx naming it, with nothing applied.
  *   <li>{@code POST /freshness/NAME[/VERSION]?rollback_to=SEQUENCE}: the tables as they were after
  *       that delta (0: the archive's rows), restored from the rows each delta overwrote (kept in
@@ -43,7 +44,8 @@ import org.pytorch.serve.wlm.WorkerThread;
  *       from there.
  *   <li>{@code GET /freshness/NAME[/VERSION]}: the base fingerprint, the log's head, the sequence
  *       applied to the tables (every worker maps the same tables, so it is every worker's), rows
- *       applied, and the workers.
+ *       applied, and the workers, each with the delta whose dense weights it serves (dense
+ *       weights are each worker's own, swapped whole once their delta's rows are applied).
  * </ul>
  */
 @Endpoint(
@@ -173,6 +175,13 @@ public final class FreshnessEndpoint extends ModelServerEndpoint {
         }
         state.remove("status");
         state.remove("pid");
+        Map<Long, JsonObject> notes = new HashMap<>(); // what each worker serves, by pid
+        JsonElement noted = state.remove("workers");
+        if (noted != null && noted.isJsonArray()) {
+            for (JsonElement note : noted.getAsJsonArray()) {
+                notes.put(note.getAsJsonObject().get("pid").getAsLong(), note.getAsJsonObject());
+            }
+        }
         JsonObject answer = new JsonObject();
         answer.addProperty("model", model.getModelName());
         answer.addProperty("version", model.getVersion());
@@ -186,6 +195,11 @@ public final class FreshnessEndpoint extends ModelServerEndpoint {
             entry.addProperty("pid", worker.getPid());
             entry.addProperty("status", worker.getState().toString());
             entry.add("applied_sequence", state.get("applied_sequence"));
+            JsonObject note = notes.get((long) worker.getPid());
+            if (note != null) {
+                entry.add("dense_sequence", note.get("dense_sequence"));
+                entry.add("dense_swap_s", note.get("dense_swap_s"));
+            }
             workers.add(entry);
         }
         answer.add("workers", workers);

@@ -1,0 +1,98 @@
+"""Dense weights in a delta: made in the form each artifact serves them, swapped in whole, and
+then scoring exactly as a fresh build from the newer checkpoint does (dense precision included:
+bf16 layers, TorchAO int8 weights whose one-element scales must stay swappable constants)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from archive_tools.archives import load_archive
+from archive_tools.build import ServingConfig, build_archive
+from archive_tools.delta import DeltaSource, make_delta
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.registry import load_spec
+from handlers.runtime.artifacts import Artifact
+from handlers.runtime.freshness.delta_file import DeltaError, check_dense, read_delta
+from handlers.runtime.freshness.dense import dense_slot
+from handlers.runtime.freshness.layout import TablesLayout
+from handlers.runtime.split import SplitPlan
+from tests.conftest import TINY_SPEC
+from tests.helpers import items_request
+
+KINDS = {
+    "eager": (Artifact.EAGER, None),
+    "aoti": (Artifact.AOTI, None),
+    "split-eager-aoti": (Artifact.SPLIT, SplitPlan(sparse=Artifact.EAGER, dense=Artifact.AOTI)),
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dense")
+    spec_file = root / "tiny_dense.yaml"
+    spec_file.write_text(TINY_SPEC.read_text() + "dense_precision: {over_arch: int8_dynamic, dense_arch: bf16}\n")
+    spec = load_spec(spec_file)
+    base = {k: v.clone() for k, v in DLRMFactory(spec).float_model(seed=0).state_dict().items()}
+    generator = torch.Generator().manual_seed(3)
+    newer = {
+        k: v + 0.2 * torch.randn(v.shape, generator=generator) if v.is_floating_point() and ".embedding_bags." not in k else v
+        for k, v in base.items()
+    }
+    dense_only = {k: v for k, v in newer.items() if ".embedding_bags." not in k}
+    torch.save(base, root / "base.pt")
+    torch.save(newer, root / "newer.pt")
+    torch.save(dense_only, root / "dense_only.pt")
+    requests = [items_request(spec, 4, seed=s, max_bag=3) for s in range(3)]
+    return root, spec_file, requests
+
+
+def _build(setup, kind: str, checkpoint: str):
+    root, spec_file, _ = setup
+    artifact, split = KINDS[kind]
+    return build_archive(spec_file, checkpoint=root / checkpoint, seed=0, name=f"{kind}-{checkpoint[:-3]}", version="1",
+                         model_store=root / "store", serving=ServingConfig(), artifact=artifact, split=split,
+                         archive_format="no-archive")
+
+
+def _scores(service, requests):
+    return [r.body for r in service.handle(requests).responses]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_dense_delta_swapped_in_scores_as_a_fresh_build(setup, kind):
+    root, _, requests = setup
+    base, fresh = _build(setup, kind, "base.pt"), _build(setup, kind, "newer.pt")
+    summary = make_delta(base, DeltaSource(dense=root / "dense_only.pt"), root / f"{kind}.delta", sequence=1)
+    assert summary.rows_by_table == {} and summary.dense_tensors > 0
+    served = load_archive(base, root / "unused")
+    before = _scores(served, requests)
+    slot = dense_slot(served.model)
+    delta = read_delta(summary.path, TablesLayout.load(base))
+    check_dense(delta.header.dense, slot.dense_shapes())
+    slot.swap_dense(delta.dense())
+    assert _scores(served, requests) == _scores(load_archive(fresh, root / "unused"), requests)
+    assert _scores(served, requests) != before
+    slot.swap_dense(None)
+    assert _scores(served, requests) == before
+
+
+def test_a_dense_section_must_fit_the_served_weights(setup):
+    root, _, _ = setup
+    base = _build(setup, "aoti", "base.pt")
+    eager = _build(setup, "eager", "base.pt")
+    eager_delta = make_delta(eager, DeltaSource(dense=root / "dense_only.pt"), root / "eager-for-aoti.delta", sequence=1)
+    slot = dense_slot(load_archive(base, root / "unused").model)
+    with pytest.raises(DeltaError) as refused:  # float eager names and dtypes, not the package's constants
+        check_dense(read_delta(eager_delta.path, TablesLayout.load(base)).header.dense, slot.dense_shapes())
+    assert refused.value.field.startswith("dense.")
+
+
+def test_an_exported_program_cannot_swap_and_says_so(setup):
+    root, spec_file, _ = setup
+    exported = build_archive(spec_file, checkpoint=root / "base.pt", seed=0, name="exported", version="1",
+                             model_store=root / "store", serving=ServingConfig(), artifact=Artifact.EXPORTED,
+                             archive_format="no-archive")
+    assert "build aoti" in dense_slot(load_archive(exported, root / "unused").model)
+    with pytest.raises(ValueError, match="cannot take deltas"):
+        make_delta(exported, DeltaSource(dense=root / "dense_only.pt"), root / "exported.delta", sequence=1)
