@@ -1,7 +1,7 @@
 # Two entry points, each doing all set-up on a fresh machine:
 #   make demo   build the example archive, start TorchServe, register, score the example requests
 #   make test   run the whole test suite
-#   make bench SCENARIO=criteo   run a benchmark scenario (smoke, criteo, speed, reliability, ...); results in benchmarks/results/
+#   make bench SCENARIO=criteo   run a benchmark scenario (smoke, criteo, speed, reliability, freshness, ...); results in benchmarks/results/
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

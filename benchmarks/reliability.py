@@ -121,7 +121,7 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
         auth = server.auth("inference")
         _ok(server.register(f"{name}.mar", batch_size=32, max_batch_delay=5))
         run_closed_loop(url, auth, one_item, 8, 2.0, 10**6)  # warm-up
-        figures.update(_max_load(url, auth, one_item, scenario.phase_s))
+        figures.update(max_load(url, auth, one_item, scenario.phase_s))
         max_rps = figures["max_load_rps"]
         phase("max load")
 
@@ -189,7 +189,7 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
 # -- phases ---------------------------------------------------------------------------------------
 
 
-def _max_load(url: str, auth: dict, traffic: Traffic, seconds: float) -> dict:
+def max_load(url: str, auth: dict, traffic: Traffic, seconds: float) -> dict:
     """The highest open-loop rate the server sustains: every request answered 200 with a p99
     within 4x that of a light load (at least 50 ms). Rates step up by 5% of a closed loop's
     throughput (32 senders), from 20%; the load generator shares the machine's cores, so what it

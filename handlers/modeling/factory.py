@@ -139,9 +139,12 @@ class DLRMFactory:
                 module.embedding_specs, module.split_embedding_weights()
             ):
                 fill_random_table(values, scale_bias, sparse_type, generator)
-        torch.manual_seed(seed)  # the dense layers' own init
-        dense_model = self._build(self._float_ebc("meta"), torch.device("cpu"))
-        return InferenceWeights(_table_views(model), _dense_state(dense_model), buffers)
+        return InferenceWeights(_table_views(model), self.random_dense(seed), buffers)
+
+    def random_dense(self, seed: int) -> dict[str, torch.Tensor]:
+        """The dense layers' own init from ``seed``, as float weights; no table is allocated."""
+        torch.manual_seed(seed)
+        return _dense_state(self._build(self._float_ebc("meta"), torch.device("cpu")))
 
     def table_bytes(self) -> dict[str, int]:
         """Bytes each table takes in the served layout (rows x packed row size); allocates nothing."""

@@ -1,0 +1,38 @@
+"""CI runs the ``freshness-smoke`` scenario end to end (tiny model): deltas published while the
+real TorchServe serves, a dense swap, a rollback and a version transition, with no failed request."""
+
+import subprocess
+import sys
+
+import orjson
+import pytest
+
+from benchmarks.freshness import TARGETS
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+KEYS = {
+    "rows_per_min", "publish_to_visible_p50_s", "publish_to_visible_p99_s", "serving_p99_ms_idle",
+    "serving_p99_ms_during", "serving_p99_ratio", "failed_requests", "rss_growth_mib", "dense_swap_s",
+    "dense_swap_failed_requests", "version_swap_failed_requests",
+}
+
+
+def test_freshness_smoke_scenario_runs_with_no_failed_request(tmp_path):
+    out = tmp_path / "freshness"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "freshness-smoke", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = orjson.loads((out / "freshness.json").read_bytes())
+    assert KEYS | {key for key, *_ in TARGETS} <= set(figures)
+    # correctness targets hold at any size; the rates and latency ratios are the full scenario's
+    assert figures["failed_requests"] == 0, figures["statuses"]
+    assert figures["dense_swap_failed_requests"] == 0
+    assert figures["rollback_failed_requests"] == 0
+    assert figures["version_swap_failed_requests"] == 0
+    assert len(figures["publish_to_visible_s"]) == 6 and figures["rows_per_min"] > 0
+    for name in ("summary.txt", "freshness.png"):
+        assert (out / name).stat().st_size > 0
