@@ -153,6 +153,17 @@ def test_a_delta_published_under_load_moves_scores_with_no_failed_request(setup,
     assert _applied(server, model, 1)["rows_applied"] == state["rows_applied"]
 
 
+def _rolled_back(server: LocalTorchServe, model: str, timeout_s: float = 30) -> dict:
+    """The state once a rollback asked for is done."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = server.management("GET", f"/freshness/{model}").json()
+        if state.get("rolling_back_to") is None:  # a null is left out
+            return state
+        assert time.monotonic() < deadline, state
+        time.sleep(0.02)
+
+
 def _dense_served(server: LocalTorchServe, model: str, sequence: int, workers: int, timeout_s: float = 30) -> dict:
     """The state once ``workers`` workers serve the dense weights of delta ``sequence``."""
     deadline = time.monotonic() + timeout_s
@@ -269,8 +280,8 @@ def test_a_rollback_restores_the_rows_and_the_log_continues_from_there(setup, se
     word = server.management("POST", f"/freshness/{model}", params={"rollback_to": "latest"})
     assert word.status_code == 400 and "must be a sequence number" in word.text, word.text
     rolled = server.management("POST", f"/freshness/{model}", params={"rollback_to": 0})
-    assert rolled.status_code == 200, rolled.text
-    state = server.management("GET", f"/freshness/{model}").json()
+    assert rolled.status_code == 200 and rolled.json()["rolling_back_to"] == 0, rolled.text
+    state = _rolled_back(server, model)
     assert (state["applied_sequence"], state["log_head"]) == (0, 0), state
     assert _served(server, model) == pytest.approx(setup["expected"]["old"], abs=1e-6)
     again = _publish(server, model, "aoti-1.delta")

@@ -9,10 +9,13 @@ A row must never be read half-written. Every forward holds the model's row lock 
 (``RowLock.reading``: ``flock(LOCK_SH)`` on a lock file beside the weights, two system calls per
 forward); the writer takes it exclusively for one chunk of rows at a time (``chunk_rows``, a few
 hundred microseconds of copying), so a forward waits at most one chunk, and sees each row either
-before or after it was written. Between chunks the writer sleeps to keep to ``rows_per_s``.
+before or after it was written. Nothing slow happens under the lock: the chunk's pages are made
+present and writable first (``TableWriter.touch``: each row written back as it is, which page
+faults and the file system's first-write work cost), and progress is recorded after the lock is
+released. Between chunks the writer sleeps to keep to ``rows_per_s``.
 
-Progress is kept in ``freshness-state.json`` beside the weights (written under the lock after each
-chunk): the sequence applied completely, and how far into the next delta the writer got. A writer
+Progress is kept in ``freshness-state.json`` beside the weights (written after each chunk): the
+sequence applied completely, and how far into the next delta the writer got. A writer
 that dies mid-delta is resumed by the next (rows are whole bytes, writing one twice is harmless).
 """
 
@@ -125,6 +128,13 @@ class TableWriter:
         """Copies (id, row) records into the table."""
         self._tables[table][records["id"]] = records["row"]
 
+    def touch(self, table: str, ids: np.ndarray) -> None:
+        """Writes the rows ``ids`` back as they are: their pages become present and writable in
+        this mapping (the page faults, and the file system's work on a first write to a page,
+        happen here, outside the lock), and no reader can tell."""
+        rows = self._tables[table]
+        rows[ids] = rows[ids]
+
     def rows(self, table: str, ids: np.ndarray) -> np.ndarray:
         return self._tables[table][ids].copy()
 
@@ -186,9 +196,8 @@ def apply_delta(
         state.write(folder)
 
     write_rows(delta, writer, lock, pace, start_row, progress)
-    with lock.writing():
-        state = dataclasses.replace(state, sequence=delta.header.sequence, partial=0, updated_at=time.time())
-        state.write(folder)
+    state = dataclasses.replace(state, sequence=delta.header.sequence, partial=0, updated_at=time.time())
+    state.write(folder)
     return state
 
 
@@ -201,7 +210,9 @@ def write_rows(
     progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """The delta's rows from the ``start_row``-th on into the tables, one chunk per hold of the
-    lock, at ``pace``; ``progress(rows done, rows just written)`` runs under the lock."""
+    lock, at ``pace``; ``progress(rows done, rows just written)`` after each chunk, outside the
+    lock (a file write can wait on the disk; a resumed writer writes a few rows twice, the same
+    bytes)."""
     done = 0
     started = time.perf_counter()
     for section in delta.header.tables:
@@ -210,11 +221,12 @@ def write_rows(
                 done += len(chunk)
                 continue
             chunk = chunk[max(0, start_row - done):]
-            with lock.writing():
+            writer.touch(section.name, chunk["id"])  # the only writer: those bytes stay as they are
+            with lock.writing():  # held for a copy of the rows alone
                 writer.write(section.name, chunk)
-                done = max(done, start_row) + len(chunk)
-                if progress is not None:
-                    progress(done, len(chunk))
+            done = max(done, start_row) + len(chunk)
+            if progress is not None:
+                progress(done, len(chunk))
             ahead = done / pace.rows_per_s - (time.perf_counter() - started)
             if ahead > 0:
                 time.sleep(ahead)

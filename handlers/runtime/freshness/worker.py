@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 LOG_POINTER = "freshness-log.json"
 WORKERS_FOLDER = "freshness-workers"
+ROLLBACK_MARK = "rollback.json"  # in the log folder: a rollback asked for and not done yet
 FOLLOW_EVERY_S = 0.2
 
 
@@ -108,13 +109,12 @@ class WorkerFreshness:
     # -- serving ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Returns once the log (if the plugin named one) is applied up to its head as it is now,
-        by this worker (unpaced) or by the one applying it already; then follows the log."""
+        """Returns once the log (if the plugin named one) is applied up to its head, by this
+        worker (unpaced) or by the one applying it already; then follows the log."""
         log = self._log()
-        head = max(log_entries(log), default=0) if log is not None else 0
-        while AppliedState.read(self.model_dir).sequence < head:
+        while log is not None and self._behind(log):
             self._catch_up(log, paced=False)  # at once, when another worker holds the writer lock
-            if AppliedState.read(self.model_dir).sequence < head:
+            if self._behind(log):
                 time.sleep(0.05)
         if log is not None:
             self._sync_dense(log)
@@ -147,6 +147,7 @@ class WorkerFreshness:
             "base": self.layout.fingerprint,
             "applied_sequence": state.sequence,
             "log_head": head,
+            "rolling_back_to": _pending_rollback(log)["to"] if log and _pending_rollback(log) else None,
             "rows_applied": state.rows_applied,
             "updated_at": state.updated_at,
             "error": self.error,
@@ -154,6 +155,10 @@ class WorkerFreshness:
         }
 
     def _check(self, path: Path, log: Path) -> dict[str, Any]:
+        rollback = _pending_rollback(log)
+        if rollback is not None:
+            return {"status": 409, "type": "Conflict", "message": f"delta: a rollback to {rollback['to']} is under "
+                    "way; publish again once GET /freshness no longer shows rolling_back_to"}
         header = read_header(path)
         entries = log_entries(log)
         head = max(entries, default=0)
@@ -188,31 +193,51 @@ class WorkerFreshness:
         return self._writer
 
     def _rollback(self, to: int, log: Path) -> dict[str, Any]:
-        """Restores the tables as they were after delta ``to`` (0: the archive's own rows), from
-        the undo files, newest first; the later deltas leave the log (moved aside, kept)."""
-        entries = log_entries(log)
-        head = max(entries, default=0)
+        """Asks for the tables as they were after delta ``to`` (0: the archive's own rows): the
+        request is written durably beside the log, answered at once, and carried out by the
+        model's writer (``_roll_back``) at the model's pace, so that serving goes on meanwhile.
+        Publishing waits (409) until it is done."""
+        head = max(log_entries(log), default=0)
         if not 0 <= to <= head:
             raise DeltaError("rollback_to", f"must be between 0 and the log's head {head}, got {to}")
-        with self.lock.sole_writer(self.model_dir, wait=True):
-            writer = self._open_writer()
-            state = AppliedState.read(self.model_dir)
-            newest = state.sequence + (1 if state.partial else 0)  # a delta half applied is undone too
-            fast = Pace(rows_per_s=float("inf"), chunk_rows=self.pace.chunk_rows)
-            for sequence in range(newest, to, -1):
-                undo = undo_file(log, sequence)
-                if undo.exists():  # absent: the delta's writing never began
-                    write_rows(read_delta(undo, self.layout), writer, self._writer_lock, fast)
-            aside = log.parent / f"rolled-back-{time.strftime('%Y%m%dT%H%M%S')}-from-{head}-to-{to}"
-            for sequence in range(to + 1, head + 1):
-                aside.mkdir(parents=True, exist_ok=True)
-                for path in (entries.get(sequence), undo_file(log, sequence)):
-                    if path is not None and path.exists():
-                        os.replace(path, aside / path.name)
-            with self._writer_lock.writing():
-                state = AppliedState(sequence=to, partial=0, rows_applied=state.rows_applied, updated_at=time.time())
-                state.write(self.model_dir)
-        return {"status": 200, "rolled_back_to": to, "from": newest, "moved_to": str(aside) if head > to else None}
+        pending = _pending_rollback(log)
+        if pending is not None:
+            return {"status": 409, "type": "Conflict", "message": f"rollback_to: a rollback to {pending['to']} is under way"}
+        mark = Path(log) / ROLLBACK_MARK
+        staged = mark.with_name(mark.name + ".tmp")
+        with open(staged, "wb") as file:
+            file.write(orjson.dumps({"to": to, "from": head}))
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(staged, mark)
+        return {"status": 200, "rolling_back_to": to, "from": head}
+
+    def _roll_back(self, log: Path, to: int) -> None:
+        """The writer's part of a rollback: the undo files, newest first, at the model's pace;
+        then the later deltas leave the log (moved aside, kept). Done again from the start if the
+        writer dies halfway (undoing is idempotent: each undo file holds the bytes from before)."""
+        entries = log_entries(log)
+        head = max(entries, default=0)
+        state = AppliedState.read(self.model_dir)
+        newest = state.sequence + (1 if state.partial else 0)  # a delta half applied is undone too
+        writer = self._open_writer()
+        for sequence in range(newest, to, -1):
+            undo = undo_file(log, sequence)
+            if undo.exists():  # absent: the delta's writing never began
+                write_rows(read_delta(undo, self.layout), writer, self._writer_lock, self.pace)
+        aside = log.parent / f"rolled-back-{time.strftime('%Y%m%dT%H%M%S')}-from-{head}-to-{to}"
+        for sequence in range(to + 1, head + 1):
+            aside.mkdir(parents=True, exist_ok=True)
+            for path in (entries.get(sequence), undo_file(log, sequence)):
+                if path is not None and path.exists():
+                    os.replace(path, aside / path.name)
+        AppliedState(sequence=to, partial=0, rows_applied=state.rows_applied, updated_at=time.time()).write(self.model_dir)
+        (Path(log) / ROLLBACK_MARK).unlink()
+        logger.info("rolled back from delta %d to %d (later deltas moved to %s)", newest, to, aside)
+
+    def _behind(self, log: Path) -> bool:
+        head = max(log_entries(log), default=0)
+        return _pending_rollback(log) is not None or AppliedState.read(self.model_dir).sequence < head
 
     def _follow(self) -> None:
         while True:
@@ -230,13 +255,16 @@ class WorkerFreshness:
                 self.error = str(e)
 
     def _catch_up(self, log: Path, paced: bool) -> None:
-        entries = log_entries(log)
-        if max(entries, default=0) <= AppliedState.read(self.model_dir).sequence:
+        if not self._behind(log):
             return
         with self.lock.sole_writer(self.model_dir) as writer:
             if not writer:
                 return  # another worker applies them
             self._open_writer()
+            rollback = _pending_rollback(log)
+            if rollback is not None:
+                self._roll_back(log, rollback["to"])
+            entries = log_entries(log)
             pace = self.pace if paced else Pace(rows_per_s=float("inf"), chunk_rows=self.pace.chunk_rows)
             while True:
                 state = AppliedState.read(self.model_dir)
@@ -301,6 +329,14 @@ def _live_workers(folder: Path) -> list[dict[str, Any]]:
         except (ProcessLookupError, ValueError, FileNotFoundError):
             continue
     return notes
+
+
+def _pending_rollback(log: Path) -> dict[str, int] | None:
+    """The rollback asked for and not done yet: ``{"to": ..., "from": ...}``."""
+    try:
+        return orjson.loads((Path(log) / ROLLBACK_MARK).read_bytes())
+    except FileNotFoundError:
+        return None
 
 
 def undo_file(log: Path, sequence: int) -> Path:

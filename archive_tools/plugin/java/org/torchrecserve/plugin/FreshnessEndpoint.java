@@ -39,9 +39,11 @@ import org.pytorch.serve.wlm.WorkerThread;
  *       from the log at the model's pace (and swap in its dense weights, if it has some). Publishing the same delta again is answered as before,
  *       with nothing applied twice; anything wrong is a 4xx naming it, with nothing applied.
  *   <li>{@code POST /freshness/NAME[/VERSION]?rollback_to=SEQUENCE}: the tables as they were after
- *       that delta (0: the archive's rows), restored from the rows each delta overwrote (kept in
- *       the log); the later deltas leave the log (moved aside) and the next publish continues
- *       from there.
+ *       that delta (0: the archive's rows). The request is recorded beside the log and answered at
+ *       once; the model's writer restores the rows each delta overwrote (kept in the log) at the
+ *       model's pace, then the later deltas leave the log (moved aside) and the next publish
+ *       continues from there. Publishes meanwhile are refused (409); the state shows
+ *       {@code rolling_back_to} until it is done.
  *   <li>{@code GET /freshness/NAME[/VERSION]}: the base fingerprint, the log's head, the sequence
  *       applied to the tables (every worker maps the same tables, so it is every worker's), rows
  *       applied, and the workers, each with the delta whose dense weights it serves (dense
