@@ -117,26 +117,33 @@ class TableWriter:
         self._map = mmap.mmap(self._file.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         data = np.frombuffer(self._map, dtype=np.uint8)
         starts = [file_offset(b, weights_file) for b in buffers]
+        # torch views of the mapping: their copies run without holding the GIL, so the worker's
+        # forwards (this process's other thread) go on while the writer copies.
         self._tables = {
-            t.name: data[starts[t.buffer] + t.offset : starts[t.buffer] + t.offset + t.rows * t.row_bytes].reshape(
-                t.rows, t.row_bytes
-            )
+            t.name: torch.from_numpy(
+                data[starts[t.buffer] + t.offset : starts[t.buffer] + t.offset + t.rows * t.row_bytes]
+            ).view(t.rows, t.row_bytes)
             for t in layout.tables
         }
 
     def write(self, table: str, records: np.ndarray) -> None:
         """Copies (id, row) records into the table."""
-        self._tables[table][records["id"]] = records["row"]
+        self._tables[table].index_copy_(0, _index(records["id"]), torch.from_numpy(np.array(records["row"])))
 
     def touch(self, table: str, ids: np.ndarray) -> None:
         """Writes the rows ``ids`` back as they are: their pages become present and writable in
         this mapping (the page faults, and the file system's work on a first write to a page,
         happen here, outside the lock), and no reader can tell."""
-        rows = self._tables[table]
-        rows[ids] = rows[ids]
+        rows, index = self._tables[table], _index(ids)
+        rows.index_copy_(0, index, rows.index_select(0, index))
 
     def rows(self, table: str, ids: np.ndarray) -> np.ndarray:
-        return self._tables[table][ids].copy()
+        return self._tables[table].index_select(0, _index(ids)).numpy()
+
+
+def _index(ids: np.ndarray) -> torch.Tensor:
+    """Row ids (any view: a field of the delta's records) as an index tensor of their own."""
+    return torch.from_numpy(np.array(ids, dtype=np.int64))
 
 
 def file_offset(tensor: torch.Tensor, path: Path) -> int:
