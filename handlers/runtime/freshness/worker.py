@@ -151,7 +151,7 @@ class WorkerFreshness:
             "base": self.layout.fingerprint,
             "applied_sequence": state.sequence,
             "log_head": head,
-            "rolling_back_to": _pending_rollback(log)["to"] if log and _pending_rollback(log) else None,
+            "rolling_back_to": (_pending_rollback(log) or {}).get("to") if log else None,
             "rows_applied": state.rows_applied,
             "updated_at": state.updated_at,
             "error": self.error,
