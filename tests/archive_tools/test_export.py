@@ -63,7 +63,7 @@ def test_aoti_package_maps_its_tables_and_uses_them_in_place(exported, tmp_path)
     spec, eager, program, _ = exported
     path = compile_aoti(program, tmp_path / "model_aoti.pt2")
     graph = GraphModel(path, Artifact.AOTI, eager.tags)
-    tables = [t for name, t in graph.weights.items() if name.endswith("weights_host")]
+    tables = [t for name, t in graph.run.original.items() if name.endswith("weights_host")]
     assert tables and all(is_file_mapped(t, aoti_weights_file(path)) for t in tables)
     batch = _batch(spec, eager, (4, 2), seed=8)
     with torch.inference_mode():
@@ -158,7 +158,7 @@ def test_torchao_int8_weights_compile_into_a_package(tiny_spec, tmp_path):
     eager = eager_service(spec, factory.inference_model(weights))
     program = export_model(factory.inference_model(weights), eager.tags, _batch(spec, eager, (3, 5), 0))
     graph = GraphModel(compile_aoti(program, tmp_path / "model_aoti.pt2"), Artifact.AOTI, eager.tags)
-    assert any(".parametrizations." in name for name in graph.weights)
+    assert any(".parametrizations." in name for name in graph.run.original)
     batch = _batch(spec, eager, (4, 9), seed=2)
     with torch.inference_mode():
         torch.testing.assert_close(graph(batch), eager.model(batch), atol=1e-5, rtol=1e-4)
