@@ -100,19 +100,22 @@ def _coalesce_jagged(parts: Sequence[JaggedIds]) -> JaggedIds:
     return JaggedIds(lengths=lengths, values=values, weights=weights)
 
 
-def padding_request(like: RequestInputs, tags: Sequence[InputTag]) -> RequestInputs:
+def padding_request(like: RequestInputs, tags: Sequence[InputTag], with_ids: bool = False) -> RequestInputs:
     """One item of zero rows and empty bags, shaped like ``like``: fills a batch up to the size a
-    graph was captured for. Its output is dropped."""
+    graph was captured for. Its output is dropped. ``with_ids``: its first bag of each jagged
+    input holds id 0 (a batch of no ids at all is one a captured graph refuses)."""
     tensors: dict[str, RequestTensor] = {}
     for tag in tags:
         if tag.kind == BatchKind.ITEM_COUNTS:
             continue
         part = like.tensors[tag.name]
         if isinstance(part, JaggedIds):
+            lengths = part.lengths.new_zeros(len(tag.keys), 1)
+            lengths[0, 0] = int(with_ids)
             tensors[tag.name] = JaggedIds(
-                lengths=part.lengths.new_zeros(len(tag.keys), 1),
-                values=part.values[:0],
-                weights=None if part.weights is None else part.weights[:0],
+                lengths=lengths,
+                values=part.values.new_zeros(int(with_ids)),
+                weights=None if part.weights is None else part.weights.new_ones(int(with_ids)),
             )
         elif tag.kind == BatchKind.STATIC:
             tensors[tag.name] = part

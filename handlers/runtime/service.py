@@ -20,7 +20,7 @@ import torch
 from handlers.runtime.artifacts import Runner
 from handlers.runtime.batching import chunk_by_items, coalesce, padding_request, split_outputs
 from handlers.runtime.errors import BadRequest, InternalError
-from handlers.runtime.inputs import InputSchema, RequestInputs
+from handlers.runtime.inputs import InputSchema, JaggedIds, RequestInputs
 from handlers.runtime.wire.decoder import RequestDecoder
 from handlers.runtime.wire.messages import DecodedRequest, Rejected, Response
 
@@ -67,7 +67,8 @@ class ScoringService:
     """Scores requests with one model (any artifact's runner); one response per request, in order.
 
     A batch smaller than ``schema.min_requests`` (a graph captured with TorchAO's int8 dynamic
-    quantization takes 2) is padded with empty requests, whose outputs are dropped.
+    quantization takes 2) is padded with empty requests, whose outputs are dropped; a batch with
+    no id at all (every bag empty) gets one more request, holding one id.
     ``model_name``: the name answers carry where the protocol names the model; ``threads_for``:
     the intra-op threads for a forward of so many items (None: leave torch's setting alone).
     """
@@ -133,6 +134,10 @@ class ScoringService:
             if missing > 0:
                 padded += [padding_request(requests[0], self.tags)] * missing
             batch = coalesce(padded, self.tags)
+            if any(isinstance(v, JaggedIds) and v.values.numel() == 0 for v in batch.values()):
+                # A graph captured by torch.export asserts that a jagged input holds some id.
+                padded.append(padding_request(requests[0], self.tags, with_ids=True))
+                batch = coalesce(padded, self.tags)
         if self.threads_for is not None:
             threads = self.threads_for(sum(r.num_items for r in padded))
             if threads != torch.get_num_threads():

@@ -57,6 +57,22 @@ def test_aoti_package_equals_eager(exported, tmp_path):
             torch.testing.assert_close(graph(batch), eager.model(batch), atol=1e-6, rtol=1e-5)
 
 
+def test_a_batch_with_every_bag_empty_scores_as_eager(exported, tmp_path):
+    """A captured graph asserts that its jagged input holds some id; the service pads such a
+    batch with a request that holds one (its output dropped)."""
+    spec, eager, program, path = exported
+    graphs = [GraphModel(path, Artifact.EXPORTED, eager.tags),
+              GraphModel(compile_aoti(program, tmp_path / "model_aoti.pt2"), Artifact.AOTI, eager.tags)]
+    body = items_request(spec, 3, seed=4)
+    for item in body["items"]:
+        item["sparse"] = {}
+    requests = [eager.decoder.decode(body).inputs]
+    expected = eager.logits(requests)
+    for graph in graphs:
+        scores = ScoringService(eager.schema, graph).logits(requests)
+        torch.testing.assert_close(scores, expected, atol=1e-6, rtol=1e-5)
+
+
 def test_aoti_package_maps_its_tables_and_uses_them_in_place(exported, tmp_path):
     """The package holds code only: its weights file is memory-mapped at load, and the compiled
     model reads the mapped tables themselves (zeroing them changes its scores)."""
