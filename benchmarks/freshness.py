@@ -48,14 +48,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import orjson  # noqa: E402
 import psutil  # noqa: E402
-import requests  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from archive_tools.delta import DeltaSource, make_delta  # noqa: E402
 from archive_tools.local_server import LocalTorchServe  # noqa: E402
 from benchmarks.load import BackgroundLoad, LoadResult, run_closed_loop  # noqa: E402
-from benchmarks.reliability import max_load  # noqa: E402
+from benchmarks.reliability import max_load, ok  # noqa: E402
 from benchmarks.scenarios import MODELS  # noqa: E402
 from benchmarks.traffic import TrafficModel  # noqa: E402
 from handlers.modeling.factory import DLRMFactory  # noqa: E402
@@ -118,7 +117,7 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
                      "delta_mib": sum(d.stat().st_size for d in deltas[:-1]) / 2**20}
     marks: dict[str, list[float]] = {"publish": []}
     with LocalTorchServe(model_store=store) as server:
-        _ok(server.register(archive.name, batch_size=32, max_batch_delay=5, initial_workers=scenario.workers))
+        ok(server.register(archive.name, batch_size=32, max_batch_delay=5, initial_workers=scenario.workers))
         url = f"{server.inference_url}/predictions/{name}"
         auth = server.auth("inference")
         run_closed_loop(url, auth, traffic, 8, 2.0, 10**6)  # warm-up
@@ -160,7 +159,7 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
             rollback_at = time.perf_counter()
             marks["rollback"] = [rollback_at]
             to = len(deltas) - scenario.rolled_back
-            _ok(server.management("POST", f"/freshness/{name}", params={"rollback_to": to}))
+            ok(server.management("POST", f"/freshness/{name}", params={"rollback_to": to}))
             _wait(lambda: _state(server, name)["applied_sequence"] == to)
             _wait(lambda: _dense_everywhere(server, name, 0, scenario.workers))
             rollback = (rollback_at, time.perf_counter())
@@ -168,9 +167,9 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
 
             swap_at = time.perf_counter()
             marks["version swap"] = [swap_at]
-            _ok(server.register(version_2.name, initial_workers=scenario.workers))
-            _ok(server.management("PUT", f"/models/{name}/2.0/set-default"))
-            _ok(server.management("DELETE", f"/models/{name}/1.0"))
+            ok(server.register(version_2.name, initial_workers=scenario.workers))
+            ok(server.management("PUT", f"/models/{name}/2.0/set-default"))
+            ok(server.management("DELETE", f"/models/{name}/1.0"))
             swap = (swap_at, time.perf_counter())
             time.sleep(1.0)
             progress.update()
@@ -260,18 +259,12 @@ def _make_deltas(scenario: FreshnessScenario, spec: ModelSpec, archive: Path, fo
 # -- the server -----------------------------------------------------------------------------------
 
 
-def _ok(response: requests.Response) -> requests.Response:
-    if response.status_code != 200:
-        raise RuntimeError(f"{response.request.method} {response.url}: {response.status_code} {response.text}")
-    return response
-
-
 def _publish(server: LocalTorchServe, name: str, delta: str) -> None:
-    _ok(server.management("POST", f"/freshness/{name}", params={"delta": delta}))
+    ok(server.management("POST", f"/freshness/{name}", params={"delta": delta}))
 
 
 def _state(server: LocalTorchServe, name: str) -> dict:
-    return _ok(server.management("GET", f"/freshness/{name}")).json()
+    return ok(server.management("GET", f"/freshness/{name}")).json()
 
 
 def _dense_everywhere(server: LocalTorchServe, name: str, sequence: int, workers: int) -> dict | None:

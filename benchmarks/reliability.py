@@ -119,7 +119,7 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
     with LocalTorchServe(model_store=store / "1.0") as server:
         url = f"{server.inference_url}/predictions/{name}"
         auth = server.auth("inference")
-        _ok(server.register(f"{name}.mar", batch_size=32, max_batch_delay=5))
+        ok(server.register(f"{name}.mar", batch_size=32, max_batch_delay=5))
         run_closed_loop(url, auth, one_item, 8, 2.0, 10**6)  # warm-up
         figures.update(max_load(url, auth, one_item, scenario.phase_s))
         max_rps = figures["max_load_rps"]
@@ -129,17 +129,17 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
         figures["inference_p99_ms_baseline"] = baseline.latency_ms["p99"]
         with BackgroundLoad(url, auth, one_item, 0.5 * max_rps) as load:
             time.sleep(1.0)
-            _ok(server.register(f"{name}.mar", model_name=f"{name}-second", initial_workers=1))
+            ok(server.register(f"{name}.mar", model_name=f"{name}-second", initial_workers=1))
             time.sleep(1.0)
         figures["register_during_load_inference_p99_ms"] = load.result.latency_ms["p99"]
         figures["register_during_load_non_200"] = _failed(load.result)
-        _ok(server.management("DELETE", f"/models/{name}-second"))
+        ok(server.management("DELETE", f"/models/{name}-second"))
         phase("register during load")
 
         figures.update(_soak(server, url, auth, one_item, 0.8 * max_rps, scenario.soak_s))
         phase("soak")
 
-        _ok(server.management("PUT", f"/models/{name}", params={"min_worker": 2, "synchronous": "true"}))
+        ok(server.management("PUT", f"/models/{name}", params={"min_worker": 2, "synchronous": "true"}))
         kill, kill_at, kill_figures = _kill_worker(server, name, url, auth, one_item, 0.5 * max_rps, scenario.phase_s)
         figures.update(kill_figures)
         timelines["kill -9 one of two workers"] = (kill, kill_at)
@@ -150,7 +150,7 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
         timelines["SIGSTOP one of two workers"] = (hung, hung_at)
         phase("hang a worker")
 
-        _ok(server.management("PUT", f"/models/{name}", params={"min_worker": 1, "synchronous": "true"}))
+        ok(server.management("PUT", f"/models/{name}", params={"min_worker": 1, "synchronous": "true"}))
         scale, scale_at = _scale_down_trials(server, name, url, auth, one_item, 0.3 * max_rps, scenario.scale_trials)
         figures["scale_down_trials"] = scenario.scale_trials
         figures["scale_down_lost_requests"] = _failed(scale) - scale.statuses.get("503", 0)
@@ -281,9 +281,9 @@ def _scale_down_trials(
     with BackgroundLoad(url, auth, traffic, rate) as load:
         started = time.perf_counter()
         for _ in range(trials):
-            _ok(server.management("PUT", f"/models/{name}", params={"min_worker": 2, "synchronous": "true"}))
+            ok(server.management("PUT", f"/models/{name}", params={"min_worker": 2, "synchronous": "true"}))
             time.sleep(0.5)
-            _ok(server.management("PUT", f"/models/{name}", params={"min_worker": 1, "synchronous": "true"}))
+            ok(server.management("PUT", f"/models/{name}", params={"min_worker": 1, "synchronous": "true"}))
             time.sleep(0.5)
     return load.result, started
 
@@ -294,9 +294,9 @@ def _version_swap(
     with BackgroundLoad(url, auth, traffic, rate) as load:
         time.sleep(1.0)
         started = time.perf_counter()
-        _ok(server.register(f"{name}-v2.mar", initial_workers=1))
-        _ok(server.management("PUT", f"/models/{name}/2.0/set-default"))
-        _ok(server.management("DELETE", f"/models/{name}/1.0"))
+        ok(server.register(f"{name}-v2.mar", initial_workers=1))
+        ok(server.management("PUT", f"/models/{name}/2.0/set-default"))
+        ok(server.management("DELETE", f"/models/{name}/1.0"))
         time.sleep(1.0)
     return load.result, started
 
@@ -309,16 +309,16 @@ def _overload(server: LocalTorchServe, name: str, traffic: Traffic, phase_s: flo
     url = f"{server.inference_url}/predictions/{ranking}"
     auth = server.auth("inference")
     batching = {"batch_size": 3, "max_batch_delay": 2}
-    _ok(server.register(f"{name}.mar", model_name=ranking, **batching))
+    ok(server.register(f"{name}.mar", model_name=ranking, **batching))
     run_closed_loop(url, auth, traffic, 4, 1.0, 10**6)  # the worker's first batches
     capacity = run_closed_loop(url, auth, traffic, 8, phase_s, 10**6).requests_per_s
     unloaded = run_open_loop(url, auth, traffic, 0.1 * capacity, max(phase_s, 500 / (0.1 * capacity)))
-    _ok(server.management("DELETE", f"/models/{ranking}"))
+    ok(server.management("DELETE", f"/models/{ranking}"))
     budget_ms = math.ceil(unloaded.latency_ms["p50"])
-    _ok(server.register(f"{name}.mar", model_name=ranking, max_queue_wait_ms=budget_ms, **batching))
+    ok(server.register(f"{name}.mar", model_name=ranking, max_queue_wait_ms=budget_ms, **batching))
     run_closed_loop(url, auth, traffic, 4, 1.0, 10**6)  # the new worker's first batches
     overload = run_open_loop(url, auth, traffic, 2 * capacity, overload_s)
-    _ok(server.management("DELETE", f"/models/{ranking}"))
+    ok(server.management("DELETE", f"/models/{ranking}"))
     return {
         "overload_capacity_rps": capacity,
         "inference_p99_ms_unloaded": unloaded.latency_ms["p99"],
@@ -364,7 +364,7 @@ def _logs(server: LocalTorchServe, url: str, auth: dict, traffic: Traffic, rate:
 def _token_expiry(store: Path, name: str, traffic: Traffic) -> dict:
     lifetime_min = 0.05
     with LocalTorchServe(model_store=store, settings={"token_expiration_min": str(lifetime_min)}) as server:
-        _ok(server.register(f"{name}.mar"))
+        ok(server.register(f"{name}.mar"))
         deadline = time.perf_counter() + 10 * lifetime_min * 60
         errors = sent = 0
         while time.perf_counter() < deadline:
@@ -440,7 +440,8 @@ def _build(scenario: ReliabilityScenario, store: Path, version: str) -> None:
     )
 
 
-def _ok(response: requests.Response) -> requests.Response:
+def ok(response: requests.Response) -> requests.Response:
+    """``response``, or an error naming the call when it is not a 200."""
     if response.status_code != 200:
         raise RuntimeError(f"{response.request.method} {response.url}: {response.status_code} {response.text}")
     return response

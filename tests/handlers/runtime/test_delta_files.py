@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import orjson
 import pytest
 import torch
 
@@ -228,3 +229,22 @@ def test_a_bad_pace_in_the_model_config_names_the_key(raw, problem):
     with pytest.raises(ValueError, match=problem):
         Pace.from_mapping(raw)
     assert Pace.from_mapping(None) == Pace() and Pace.from_mapping({"rows_per_s": 10}).rows_per_s == 10
+
+
+def test_while_a_rollback_is_under_way_a_second_one_and_publishes_are_refused(tmp_path):
+    """A rollback is asked for durably and carried out later by the writer: meanwhile the log
+    must not move, so another rollback and any publish get a 409 naming it."""
+    from handlers.runtime.freshness.worker import ROLLBACK_MARK, WorkerFreshness
+
+    log = tmp_path / "log"
+    log.mkdir()
+    _write(log / "00000001.delta")
+    freshness = WorkerFreshness(tmp_path, tmp_path / "weights.pt", LAYOUT, Pace(), dense="none here")
+    asked = freshness.command({"op": "rollback", "to": 0, "log": str(log)})
+    assert asked == {"status": 200, "rolling_back_to": 0, "from": 1}
+    assert orjson.loads((log / ROLLBACK_MARK).read_bytes()) == {"to": 0, "from": 1}
+    again = freshness.command({"op": "rollback", "to": 0, "log": str(log)})
+    assert again["status"] == 409 and "under way" in again["message"]
+    publish = freshness.command({"op": "check", "delta": str(_write(tmp_path / "next.delta", sequence=2)), "log": str(log)})
+    assert publish["status"] == 409 and "rollback to 0" in publish["message"]
+    assert freshness.command({"op": "rollback", "to": 1, "log": str(log)})["status"] == 409  # to another sequence too
