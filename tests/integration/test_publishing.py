@@ -223,7 +223,7 @@ BAD_DELTAS = [
     (lambda setup: "other-base-1.delta", 400, "delta.base"),  # made for an archive of other weights
     (lambda setup: _damaged(setup, "flipped-1.delta", _flip_first_row_byte, "eager-1.delta"), 400, "other contents"),
     (lambda setup: _damaged(setup, "truncated.delta", lambda d: d[: len(d) // 2]), 400, "truncated"),
-    (lambda setup: _damaged(setup, "flipped.delta", _flip_first_row_byte), 400, "sha256"),
+    (lambda setup: _damaged(setup, "flipped.delta", _flip_first_row_byte), 400, "xxh3_128"),
     (lambda setup: "../base.pt", 400, "paths are refused"),
     (lambda setup: "missing.delta", 404, "no 'missing.delta'"),
 ]

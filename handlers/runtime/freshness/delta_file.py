@@ -11,21 +11,25 @@ little-endian) and the magic ``TRSDELT1``::
     {"format": 1, "model": "criteo", "base": "<fingerprint of the archive's weights>",
      "sequence": 3, "created_at": "2026-11-23T07:00:00+00:00",
      "tables": [{"name": "cat_0", "dtype": "int8", "dim": 64, "row_bytes": 68, "count": 1000,
-                 "offset": 0, "sha256": "..."}],
-     "dense": {"offset": 68000, "sha256": "...", "tensors": [
+                 "offset": 0, "xxh3_128": "..."}],
+     "dense": {"offset": 68000, "xxh3_128": "...", "tensors": [
                  {"name": "model.over_arch.model.0._mlp.0._linear.weight", "dtype": "float32",
                   "shape": [512, 479], "offset": 0, "nbytes": 980992}, ...]}}   # or null
 
 A row is exactly what the table holds (``layout.TableLayout``), so applying one is a copy. The
 dense tensors are named and shaped as the served artifact holds them (an AOTInductor package's
 constants, an eager archive's float dense state): every one of them, since dense weights swap whole.
+
+The checksums (xxh3-128) guard against a damaged or half-copied file, not against tampering (the
+files come from the model store, behind the management token); they are checked on a worker
+before a publish is answered, so they must be fast: 1 ms for a 100k-row delta, where sha256
+took 9.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import hashlib
 import math
 import os
 import struct
@@ -35,12 +39,13 @@ from typing import Iterator, Mapping
 import numpy as np
 import orjson
 import torch
+import xxhash
 
 from handlers.runtime.errors import BadRequest
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout
 
 MAGIC = b"TRSDELT1"
-FORMAT = 1
+FORMAT = 2  # 1: sha256 checksums
 _TRAILER = struct.Struct("<Q8s")
 
 
@@ -64,7 +69,7 @@ class TableSection:
     row_bytes: int
     count: int
     offset: int
-    sha256: str
+    xxh3_128: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +84,7 @@ class DenseTensor:
 @dataclasses.dataclass(frozen=True)
 class DenseSection:
     offset: int
-    sha256: str
+    xxh3_128: str
     tensors: tuple[DenseTensor, ...]
 
     @property
@@ -128,7 +133,7 @@ class DeltaWriter:
         self._header = {"format": FORMAT, "model": model, "base": base, "sequence": sequence,
                         "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
         self._sections: dict[str, dict] = {}
-        self._hashes: dict[str, "hashlib._Hash"] = {}
+        self._hashes: dict[str, xxhash.xxh3_128] = {}
         self._current: str | None = None
         self._dense: dict | None = None
 
@@ -143,7 +148,7 @@ class DeltaWriter:
                 "name": table.name, "dtype": table.dtype, "dim": table.dim, "row_bytes": table.row_bytes,
                 "count": 0, "offset": self._file.tell(),
             }
-            self._hashes[table.name] = hashlib.sha256()
+            self._hashes[table.name] = xxhash.xxh3_128()
         self._current = table.name
         ids = np.asarray(ids, dtype=np.int64)
         rows = np.asarray(rows, dtype=np.uint8)
@@ -161,19 +166,19 @@ class DeltaWriter:
         """The dense part's new weights, every tensor of it, as the served artifact names them."""
         if self._dense is not None:
             raise ValueError("a delta holds one dense section")
-        start, sha, entries = self._file.tell(), hashlib.sha256(), []
+        start, checksum, entries = self._file.tell(), xxhash.xxh3_128(), []
         for name, tensor in tensors.items():
             data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
             entries.append({"name": name, "dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape),
                             "offset": self._file.tell() - start, "nbytes": len(data)})
             self._file.write(data)
-            sha.update(data)
-        self._dense = {"offset": start, "sha256": sha.hexdigest(), "tensors": entries}
+            checksum.update(data)
+        self._dense = {"offset": start, "xxh3_128": checksum.hexdigest(), "tensors": entries}
 
     def close(self) -> Path:
         tables = []
         for name, section in self._sections.items():
-            tables.append({**section, "sha256": self._hashes[name].hexdigest()})
+            tables.append({**section, "xxh3_128": self._hashes[name].hexdigest()})
         header = orjson.dumps({**self._header, "tables": tables, "dense": self._dense})
         self._file.write(header)
         self._file.write(_TRAILER.pack(len(header), MAGIC))
@@ -244,14 +249,14 @@ def _read_header(path: Path) -> tuple[DeltaHeader, int]:
         try:
             raw = orjson.loads(file.read(length))
             if raw.get("format") != FORMAT:
-                raise DeltaError("delta.format", f"must be {FORMAT}, got {raw.get('format')!r}")
+                raise DeltaError("delta.format", f"must be {FORMAT}, got {raw.get('format')!r}: make the delta again with this version's torchrec-serve delta")
             dense = raw.get("dense")
             header = DeltaHeader(
                 model=str(raw["model"]), base=str(raw["base"]), sequence=int(raw["sequence"]),
                 created_at=str(raw["created_at"]),
                 tables=tuple(TableSection(**t) for t in raw["tables"]),
                 dense=None if dense is None else DenseSection(
-                    offset=int(dense["offset"]), sha256=str(dense["sha256"]),
+                    offset=int(dense["offset"]), xxh3_128=str(dense["xxh3_128"]),
                     tensors=tuple(DenseTensor(**{**t, "shape": tuple(t["shape"])}) for t in dense["tensors"]),
                 ),
             )
@@ -282,17 +287,23 @@ def read_delta(path: Path, layout: TablesLayout) -> Delta:
         if section.offset < 0 or section.count < 0 or end > header_start:
             raise DeltaError(field, "its rows lie outside the file: truncated")
         records = delta.records(section)
-        if hashlib.sha256(records.data).hexdigest() != section.sha256:
-            raise DeltaError(f"{field}.sha256", "does not match its rows: the file is damaged")
+        if xxhash.xxh3_128_hexdigest(records.data) != section.xxh3_128:
+            raise DeltaError(f"{field}.xxh3_128", "does not match its rows: the file is damaged")
         ids = records["id"]
         if len(ids) and (ids.min() < 0 or ids.max() >= table.rows):
             bad = int(ids[(ids < 0) | (ids >= table.rows)][0])
             raise DeltaError(f"{field}.ids", f"id {bad} is outside the table's {table.rows} rows")
-        if len(np.unique(ids)) != len(ids):
+        if _has_repeats(ids):
             raise DeltaError(f"{field}.ids", "an id is given more than once")
     if header.dense is not None:
         _check_dense_bytes(delta, header.dense, header_start)
     return delta
+
+
+def _has_repeats(ids: np.ndarray) -> bool:
+    """Whether an id occurs twice (a sort: 5 ms for 100k ids, where ``np.unique`` took 30)."""
+    ordered = np.sort(ids)
+    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 def _check_dense_bytes(delta: Delta, section: DenseSection, header_start: int) -> None:
@@ -305,8 +316,8 @@ def _check_dense_bytes(delta: Delta, section: DenseSection, header_start: int) -
             raise DeltaError(f"dense.{t.name}.dtype", f"unknown dtype {t.dtype!r}")
         if math.prod(t.shape) * dtype.itemsize != t.nbytes:
             raise DeltaError(f"dense.{t.name}.nbytes", f"{t.nbytes} bytes do not hold {t.dtype} {list(t.shape)}")
-    if hashlib.sha256(delta._data[section.offset : end].data).hexdigest() != section.sha256:
-        raise DeltaError("dense.sha256", "does not match its tensors: the file is damaged")
+    if xxhash.xxh3_128_hexdigest(delta._data[section.offset : end].data) != section.xxh3_128:
+        raise DeltaError("dense.xxh3_128", "does not match its tensors: the file is damaged")
 
 
 def check_dense(section: DenseSection, served: DenseShapes) -> None:

@@ -124,7 +124,7 @@ def test_damaged_dense_weights_are_refused(tmp_path):
     start = read_header(path).dense.offset  # type: ignore[union-attr]
     data[start + 1] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(DeltaError, match="dense.sha256"):
+    with pytest.raises(DeltaError, match="dense.xxh3_128"):
         read_delta(path, LAYOUT)
 
 
