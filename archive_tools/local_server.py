@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from archive_tools.keys import TokenKeys
 from archive_tools.plugin import plugin_dir
 from archive_tools.resources import config_dir
+from handlers.runtime.freshness.shared_tables import sweep
 
 
 _PORT_KEYS = {
@@ -184,6 +185,8 @@ class LocalTorchServe:
             except ProcessLookupError:
                 pass
             self.process.wait(timeout=10)
+            _wait_for_group_exit(pgid, timeout_s=10)
+            sweep()  # the working copies of tables its workers served (shared memory)
         if self._log is not None:
             self._log.close()
         if self.keep_logs is not None and self.workdir.exists():
@@ -339,3 +342,14 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _wait_for_group_exit(pgid: int, timeout_s: float) -> None:
+    """Until no process of the group is left (killed workers release their locks as they go)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)

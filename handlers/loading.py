@@ -26,23 +26,29 @@ def load_service(
     options: HandlerOptions,
     gpu_id: int | None = None,
     model_name: str | None = None,
+    tables_file: Path | None = None,
 ) -> ScoringService:
     """The archive folder's model behind a scoring service; ``gpu_id``: the GPU TorchServe gave
     this worker (used by models and dense parts that run on ``cuda``); ``model_name``: the name it
-    was registered under (default: the spec's)."""
+    was registered under (default: the spec's); ``tables_file``: a copy of the archive's weights
+    file that holds the tables, mapped instead of it (the working copy that deltas change)."""
     model_dir = Path(model_dir)
     schema = InputSchema.from_file(model_dir / INPUTS_FILE)
-    runner = load_runner(model_dir, schema, options, gpu_id)
+    runner = load_runner(model_dir, schema, options, gpu_id, tables_file)
     return ScoringService(schema, runner, model_name, threads_for=options.threads_for)
 
 
 def load_runner(
-    model_dir: Path, schema: InputSchema, options: HandlerOptions, gpu_id: int | None
+    model_dir: Path,
+    schema: InputSchema,
+    options: HandlerOptions,
+    gpu_id: int | None,
+    tables_file: Path | None = None,
 ) -> Runner:
     if options.artifact == Artifact.EAGER:
-        return _eager_model(model_dir, gpu_id)
+        return _eager_model(model_dir, gpu_id, tables_file)
     if options.artifact != Artifact.SPLIT:
-        return GraphModel(model_dir / options.artifact.file_name(), options.artifact, schema.tags)
+        return GraphModel(model_dir / options.artifact.file_name(), options.artifact, schema.tags, weights=tables_file)
     plan = options.split
     assert plan is not None  # HandlerOptions pairs a split artifact with its plan
     dense = GraphModel(
@@ -52,24 +58,24 @@ def load_runner(
         worker_device(plan.dense_device, gpu_id),
     )
     if plan.sparse == Artifact.EAGER:
-        sparse = _eager_lookups(model_dir)
+        sparse = _eager_lookups(model_dir, tables_file)
     else:
-        sparse = GraphModel(model_dir / plan.sparse_file, plan.sparse, sparse_tags(schema.tags))
+        sparse = GraphModel(model_dir / plan.sparse_file, plan.sparse, sparse_tags(schema.tags), weights=tables_file)
     return SplitModel(sparse, dense, schema.tags)
 
 
-def _eager_model(model_dir: Path, gpu_id: int | None) -> Runner:
+def _eager_model(model_dir: Path, gpu_id: int | None, weights: Path | None) -> Runner:
     from handlers.modeling import eager  # TorchRec, only for artifacts that run its modules
     from handlers.modeling.registry import load_spec
 
     spec = load_spec(model_dir / SPEC_FILE)
     device = worker_device(spec.sharding.device, gpu_id)
-    return eager.load_eager_model(spec, model_dir / Artifact.EAGER.file_name(), device)
+    return eager.load_eager_model(spec, weights or model_dir / Artifact.EAGER.file_name(), device)
 
 
-def _eager_lookups(model_dir: Path) -> Runner:
+def _eager_lookups(model_dir: Path, weights: Path | None) -> Runner:
     from handlers.modeling import eager  # TorchRec, only for artifacts that run its modules
     from handlers.modeling.registry import load_spec
 
     spec = load_spec(model_dir / SPEC_FILE)
-    return eager.load_eager_lookups(spec, model_dir / Artifact.EAGER.file_name())
+    return eager.load_eager_lookups(spec, weights or model_dir / Artifact.EAGER.file_name())

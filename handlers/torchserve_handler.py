@@ -35,7 +35,7 @@ import orjson
 import torch
 
 from handlers.loading import load_service
-from handlers.runtime.freshness.applier import Pace
+from handlers.runtime.freshness.config import FreshnessConfig
 from handlers.runtime.freshness.worker import LockedRunner, WorkerFreshness
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.service import ScoringService
@@ -58,12 +58,14 @@ class DLRMHandler:
         model_dir = Path(context.system_properties["model_dir"])
         gpu_id = context.system_properties.get("gpu_id")
         options = HandlerOptions.from_mapping((context.model_yaml_config or {}).get("handler"))
-        self.service = load_service(model_dir, options, gpu_id, model_name=context.model_name)
-        pace = Pace.from_mapping((context.model_yaml_config or {}).get("freshness"))
-        self.freshness = WorkerFreshness.open(model_dir, options, self.service.model, pace)
+        config = FreshnessConfig.from_mapping((context.model_yaml_config or {}).get("freshness"))
+        self.freshness = WorkerFreshness.open(model_dir, options, config)  # the tables' working copy
+        fresh = isinstance(self.freshness, WorkerFreshness)
+        tables = self.freshness.weights_file if fresh else None  # type: ignore[union-attr]
+        self.service = load_service(model_dir, options, gpu_id, model_name=context.model_name, tables_file=tables)
         if isinstance(self.freshness, WorkerFreshness):
+            self.freshness.start(self.service.model)  # the model's delta log replayed before the first request
             self.service.model = LockedRunner(self.service.model, self.freshness.lock)
-            self.freshness.start()  # the model's delta log replayed before the first request
         self.metrics = MetricsPublisher(options.metrics_flush_s)
         gc.collect()
         gc.freeze()

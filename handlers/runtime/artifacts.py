@@ -70,15 +70,15 @@ class CompiledPackage:
     is filled (the active constants, some replaced), then made active; AOTInductor switches
     between runs, so a run sees either set whole, never a mix, and nothing is recompiled.
 
-        package = CompiledPackage(Path("model_aoti.pt2"))
+        package = CompiledPackage(Path("model_aoti.pt2"))     # weights: model_aoti_weights.pt
         logits = package(dense, values, lengths)
         package.swap({"model.over_arch.model.1.weight": new_weight, ...})
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, weights: Path | None = None) -> None:
         self.runner = _container(path)
         self._internal = {fqn: name for name, fqn in self.runner.get_constant_names_to_original_fqns().items()}
-        self.original = torch.load(aoti_weights_file(path), mmap=True, weights_only=True)
+        self.original = torch.load(weights or aoti_weights_file(path), mmap=True, weights_only=True)
         missing = sorted(set(self._internal) - set(self.original))
         if missing:
             raise ValueError(f"{path}: its weights file lacks constants {missing}")
@@ -128,11 +128,13 @@ class GraphModel:
         artifact: Artifact,
         tags: Sequence[InputTag],
         device: torch.device = torch.device("cpu"),
+        weights: Path | None = None,
     ) -> None:
+        """``weights``: where a compiled package's weights file is, if not beside it."""
         if artifact == Artifact.AOTI:
             if device.type != "cpu":
                 raise ValueError(f"{path}: compiled for cpu; an exported program can move to {device}")
-            self.run = CompiledPackage(Path(path))
+            self.run = CompiledPackage(Path(path), weights)
         elif artifact == Artifact.EXPORTED:
             # Unbacked sizes of the jagged inputs (u0, u1, ...) that the saved graph no longer
             # names are logged as warnings when it is read back; they are not used.

@@ -26,6 +26,7 @@ from handlers.modeling.registry import load_spec
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.freshness.delta_file import DeltaWriter
 from handlers.runtime.freshness.layout import TablesLayout
+from handlers.runtime.freshness.shared_tables import ROOTS, sweep
 from tests.conftest import TINY_SPEC
 from tests.helpers import archive_service, items_request
 
@@ -269,6 +270,32 @@ def test_new_workers_and_a_restarted_server_serve_the_log(setup, server):
         state = restarted.management("GET", f"/freshness/{model}").json()
         assert state["applied_sequence"] == 1, state  # replayed before the first request
         assert _served(restarted, model) == pytest.approx(setup["expected"]["new"], abs=1e-6)
+
+
+def test_an_unzipped_archive_stays_as_built_its_copy_takes_the_deltas_and_goes_with_the_model(setup, server):
+    """An unzipped archive is served from the model store itself: deltas change a working copy of
+    its tables in shared memory, never the archive's files, and the copy is removed once the model
+    is gone."""
+    folder = build_archive(
+        TINY_SPEC, checkpoint=setup["root"] / "base.pt", seed=0, name="tiny_folder", version="1.0",
+        model_store=setup["store"], serving=ServingConfig(batch_size=8, max_batch_delay_ms=5),
+        artifact=Artifact.EAGER, archive_format="no-archive",
+    )
+    built = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    assert server.register("tiny_folder").status_code == 200
+    assert _publish(server, "tiny_folder", "eager-1.delta").status_code == 200
+    state = _applied(server, "tiny_folder", 1)
+    assert _served(server, "tiny_folder") == pytest.approx(setup["expected"]["new"], abs=1e-6)
+    copy = Path(state["tables_file"])
+    assert copy.parent.parent in ROOTS and copy.exists(), copy
+    assert {name: (folder / name).read_bytes() for name in built} == built
+
+    assert server.management("DELETE", "/models/tiny_folder").status_code == 200
+    deadline = time.monotonic() + 30
+    while copy.parent not in sweep() and copy.exists():  # once its workers have exited
+        assert time.monotonic() < deadline, f"{copy} is still held"
+        time.sleep(0.2)
+    assert not copy.exists()
 
 
 def test_a_rollback_restores_the_rows_and_the_log_continues_from_there(setup, server):

@@ -1,12 +1,13 @@
 """Writing delta rows into the served tables in place, with no torn row, at a set pace.
 
-The tables of an ``eager`` or ``aoti`` archive are memory-mapped from the extracted weights file
-by every worker of the model (``torch.load(mmap=True)``: private mappings that workers never write,
-so they keep reading the file's page cache). One writer maps the same file shared and copies the
-new rows into it: every worker sees them at once, and the tables are never held twice.
+The tables of an ``eager`` or ``aoti`` archive are memory-mapped by every worker of the model from
+one working copy of the archive's weights file in shared memory (``shared_tables``;
+``torch.load(mmap=True)``: private mappings that workers never write, so they keep reading the
+file's pages). One writer maps the same file shared and copies the new rows into it: every worker
+sees them at once, and the tables are never held twice.
 
 A row must never be read half-written. Every forward holds the model's row lock shared
-(``RowLock.reading``: ``flock(LOCK_SH)`` on a lock file beside the weights, two system calls per
+(``RowLock.reading``: ``flock(LOCK_SH)`` on a lock file beside the working copy, two system calls per
 forward); the writer takes it exclusively for one chunk of rows at a time (``chunk_rows``, a few
 hundred microseconds of copying), so a forward waits at most one chunk, and sees each row either
 before or after it was written. Nothing slow happens under the lock: the chunk's pages are made
@@ -14,7 +15,7 @@ present and writable first (``TableWriter.touch``: each row written back as it i
 faults and the file system's first-write work cost), and progress is recorded after the lock is
 released. Between chunks the writer sleeps to keep to ``rows_per_s``.
 
-Progress is kept in ``freshness-state.json`` beside the weights (written after each chunk): the
+Progress is kept in ``freshness-state.json`` beside the working copy (written after each chunk): the
 sequence applied completely, and how far into the next delta the writer got. A writer
 that dies mid-delta is resumed by the next (rows are whole bytes, writing one twice is harmless).
 """
@@ -36,6 +37,7 @@ import torch
 
 from handlers.runtime.freshness.delta_file import Delta, DeltaWriter
 from handlers.runtime.freshness.layout import TablesLayout
+from handlers.runtime.freshness.shared_tables import mappings
 
 LOCK_FILE = "freshness.lock"
 STATE_FILE = "freshness-state.json"
@@ -149,35 +151,19 @@ def _index(ids: np.ndarray) -> torch.Tensor:
 def file_offset(tensor: torch.Tensor, path: Path) -> int:
     """Where ``tensor``'s first byte lies in the file ``path``, which this process has mapped."""
     address = tensor.data_ptr()
-    target = str(Path(path).resolve())
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip() == target:
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                if start <= address < end:
-                    return address - start + int(fields[2], 16)
-    raise ValueError(f"the tensor at {address:#x} is not mapped from {target}")
+    for start, end, offset in mappings(path):
+        if start <= address < end:
+            return address - start + offset
+    raise ValueError(f"the tensor at {address:#x} is not mapped from {Path(path).resolve()}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Pace:
     """How fast a writer applies rows, and how many it writes per hold of the lock (the model
-    config's ``freshness`` section: ``{rows_per_s: 200000, chunk_rows: 4096}``)."""
+    config's ``freshness`` section: ``freshness.config``)."""
 
     rows_per_s: float = 200_000.0
     chunk_rows: int = 4096
-
-    @classmethod
-    def from_mapping(cls, raw: dict | None) -> "Pace":
-        raw = dict(raw or {})
-        unknown = set(raw) - {"rows_per_s", "chunk_rows"}
-        if unknown:
-            raise ValueError(f"freshness: unknown keys {sorted(unknown)}")
-        pace = cls(float(raw.get("rows_per_s", cls.rows_per_s)), int(raw.get("chunk_rows", cls.chunk_rows)))
-        if pace.rows_per_s <= 0 or pace.chunk_rows <= 0:
-            raise ValueError(f"freshness: rows_per_s and chunk_rows must be positive, got {raw}")
-        return pace
 
 
 def apply_delta(

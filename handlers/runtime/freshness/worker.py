@@ -3,9 +3,11 @@
 
 The model's delta log is a folder the plugin keeps (``<model store>/deltas/<model>/log``, one
 ``<sequence>.delta`` per accepted publish, written durably before the publish is answered); the
-plugin names it in ``freshness-log.json`` in the model's folder before the first worker loads. At
-load, a worker applies whatever the log holds beyond the folder's state, unpaced, before it serves
-(a restarted server serves what it served before). Afterwards every worker follows the log: the
+plugin names it in ``freshness-log.json`` in the model's folder before the first worker loads.
+The workers serve, and the writer changes, a working copy of the archive's tables in shared memory
+(``freshness.shared_tables``), whose folder also keeps the copy's state. At load, a worker applies
+whatever the log holds beyond that state, unpaced, before it serves (a restarted server serves
+what it served before). Afterwards every worker follows the log: the
 one that holds the writer lock applies new deltas at the model's pace; if it dies, another takes
 the lock and resumes where the state file says.
 
@@ -15,9 +17,10 @@ log. A worker serves the dense weights of the newest delta applied that has some
 own when none has: after a rollback past them too). Each worker notes what it serves in
 ``freshness-workers/<pid>.json``, which the state call reports.
 
-    freshness = WorkerFreshness.open(model_dir, options, runner, pace)   # or a str: why no deltas
+    freshness = WorkerFreshness.open(model_dir, options, config)  # or a str: why no deltas
+    runner = load(..., tables=freshness.weights_file)            # the model on the working copy
     runner = LockedRunner(runner, freshness.lock)                # every forward holds it shared
-    freshness.start()                                            # replay, then follow the log
+    freshness.start(runner)                                      # replay, then follow the log
     freshness.command({"op": "check", "delta": path})         # the plugin's calls -> JSON answer
 """
 
@@ -39,9 +42,11 @@ from handlers.runtime.artifacts import Artifact, aoti_weights_file
 from handlers.runtime.batching import Batch
 from handlers.runtime.errors import ServingError
 from handlers.runtime.freshness.applier import AppliedState, Pace, RowLock, TableWriter, apply_delta, write_rows
+from handlers.runtime.freshness.config import FreshnessConfig
 from handlers.runtime.freshness.delta_file import DeltaError, check_dense, read_delta, read_header
 from handlers.runtime.freshness.dense import DenseSlot, dense_slot
 from handlers.runtime.freshness.layout import LAYOUT_FILE, TablesLayout, table_buffers
+from handlers.runtime.freshness.shared_tables import SharedTables, lock_in_memory, sweep
 from handlers.runtime.options import HandlerOptions
 
 logger = logging.getLogger(__name__)
@@ -50,6 +55,7 @@ LOG_POINTER = "freshness-log.json"
 WORKERS_FOLDER = "freshness-workers"
 ROLLBACK_MARK = "rollback.json"  # in the log folder: a rollback asked for and not done yet
 FOLLOW_EVERY_S = 0.2
+SWEEP_EVERY_S = 60.0  # copies of tables no worker serves any more are removed
 
 
 def log_entries(log: Path) -> dict[int, Path]:
@@ -58,8 +64,8 @@ def log_entries(log: Path) -> dict[int, Path]:
 
 
 def tables_file(model_dir: Path, options: HandlerOptions) -> tuple[Path | None, str | None]:
-    """(the weights file the served tables are mapped from, None) or (None, why deltas cannot
-    reach them)."""
+    """(the archive's weights file that holds the tables, None) or (None, why deltas cannot reach
+    them)."""
     artifact, part = options.artifact, "model"
     if artifact == Artifact.SPLIT:
         artifact, part = options.split.sparse, "sparse"  # type: ignore[union-attr]
@@ -74,44 +80,52 @@ def tables_file(model_dir: Path, options: HandlerOptions) -> tuple[Path | None, 
 
 
 class WorkerFreshness:
-    def __init__(
-        self, model_dir: Path, weights_file: Path, layout: TablesLayout, pace: Pace, dense: DenseSlot | str
-    ) -> None:
+    def __init__(self, model_dir: Path, tables: SharedTables, layout: TablesLayout, pace: Pace) -> None:
         self.model_dir = model_dir
-        self.weights_file = weights_file
+        self.tables = tables  # held while this process lives
+        self.folder = tables.folder  # the working copy's state: applied sequence, locks, workers' notes
+        self.weights_file = tables.file
         self.layout = layout
         self.pace = pace
-        self.dense = dense  # or why this worker cannot swap dense weights
-        self.lock = RowLock(model_dir)
-        self._writer_lock = RowLock(model_dir)  # its own open file: excludes this process's readers
+        self.dense: DenseSlot | str = "the model is not loaded yet"  # or why it cannot swap dense weights
+        self.lock = RowLock(self.folder)
+        self._writer_lock = RowLock(self.folder)  # its own open file: excludes this process's readers
         self._writer: TableWriter | None = None
         self._thread: threading.Thread | None = None
         self._has_dense: dict[tuple[int, int], bool] = {}  # the log's deltas (by file): which have dense weights
         self.dense_sequence = 0  # the delta whose dense weights this worker serves (0: the archive's)
         self._dense_file: tuple[int, int] | None = None  # that delta's file (a rolled-back one may be replaced)
         self.dense_swap_s: float | None = None
+        self.tables_locked: bool | None = None  # this process's mappings of the copy locked in memory
         self.error: str | None = None
 
     @classmethod
     def open(
-        cls, model_dir: Path, options: HandlerOptions, runner: object, pace: Pace = Pace()
+        cls, model_dir: Path, options: HandlerOptions, config: FreshnessConfig = FreshnessConfig()
     ) -> "WorkerFreshness | str":
-        """The worker's freshness, or why this archive cannot take deltas."""
+        """Before the model loads: the worker's freshness, holding the working copy of the tables
+        (made now by the model's first worker), or why this archive cannot take deltas."""
         if not (model_dir / LAYOUT_FILE).exists():
             return f"the archive has no {LAYOUT_FILE}: rebuild it with this version to publish deltas"
         layout = TablesLayout.load(model_dir)
         if layout.sharded:
             return "sharded tables are copied into each worker at load; deltas need unsharded cpu tables"
-        weights_file, unsupported = tables_file(model_dir, options)
-        if weights_file is None:
+        archive_file, unsupported = tables_file(model_dir, options)
+        if archive_file is None:
             return f"a {options.describe()} archive cannot take deltas: {unsupported}"
-        return cls(model_dir, weights_file, layout, pace, dense_slot(runner))
+        if not (model_dir / LOG_POINTER).exists():
+            return "no delta log is named for this model: register it through the plugin to publish deltas"
+        tables = SharedTables.open(model_dir, archive_file, layout.fingerprint, config.tables_roots)
+        return cls(model_dir, tables, layout, config.pace)
 
     # -- serving ---------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Returns once the log (if the plugin named one) is applied up to its head, by this
-        worker (unpaced) or by the one applying it already; then follows the log."""
+    def start(self, runner: object) -> None:
+        """``runner``: the model loaded on ``weights_file``. Returns once the log is applied up to
+        its head, by this worker (unpaced) or by the one applying it already; then follows the
+        log."""
+        self.dense = dense_slot(runner)
+        self._lock_tables()
         log = self._log()
         while log is not None and self._behind(log):
             self._catch_up(log, paced=False)  # at once, when another worker holds the writer lock
@@ -144,18 +158,19 @@ class WorkerFreshness:
             return {"status": error.status, **error.to_body()}
 
     def state(self) -> dict[str, Any]:
-        state = AppliedState.read(self.model_dir)
+        state = AppliedState.read(self.folder)
         log = self._log()
         head = max(log_entries(log), default=0) if log else 0
         return {
             "base": self.layout.fingerprint,
+            "tables_file": str(self.weights_file),  # the working copy the deltas change
             "applied_sequence": state.sequence,
             "log_head": head,
             "rolling_back_to": (_pending_rollback(log) or {}).get("to") if log else None,
             "rows_applied": state.rows_applied,
             "updated_at": state.updated_at,
             "error": self.error,
-            "workers": _live_workers(self.model_dir / WORKERS_FOLDER),
+            "workers": _live_workers(self.folder / WORKERS_FOLDER),
         }
 
     def _check(self, path: Path, log: Path) -> dict[str, Any]:
@@ -194,7 +209,14 @@ class WorkerFreshness:
         if self._writer is None:
             buffers = table_buffers(torch.load(self.weights_file, mmap=True, weights_only=True))
             self._writer = TableWriter(self.weights_file, buffers, self.layout)
+            self._lock_tables()  # the writer's mapping too
         return self._writer
+
+    def _lock_tables(self) -> None:
+        locked = lock_in_memory(self.weights_file)
+        if isinstance(locked, str) and self.tables_locked is not False:
+            logger.warning("%s; the kernel may unmap cold table pages while serving", locked)
+        self.tables_locked = not isinstance(locked, str)
 
     def _rollback(self, to: int, log: Path) -> dict[str, Any]:
         """Asks for the tables as they were after delta ``to`` (0: the archive's own rows): the
@@ -222,7 +244,7 @@ class WorkerFreshness:
         writer dies halfway (undoing is idempotent: each undo file holds the bytes from before)."""
         entries = log_entries(log)
         head = max(entries, default=0)
-        state = AppliedState.read(self.model_dir)
+        state = AppliedState.read(self.folder)
         newest = state.sequence + (1 if state.partial else 0)  # a delta half applied is undone too
         writer = self._open_writer()
         for sequence in range(newest, to, -1):
@@ -235,17 +257,21 @@ class WorkerFreshness:
             for path in (entries.get(sequence), undo_file(log, sequence)):
                 if path is not None and path.exists():
                     os.replace(path, aside / path.name)
-        AppliedState(sequence=to, partial=0, rows_applied=state.rows_applied, updated_at=time.time()).write(self.model_dir)
+        AppliedState(sequence=to, partial=0, rows_applied=state.rows_applied, updated_at=time.time()).write(self.folder)
         (Path(log) / ROLLBACK_MARK).unlink()
         logger.info("rolled back from delta %d to %d (later deltas moved to %s)", newest, to, aside)
 
     def _behind(self, log: Path) -> bool:
         head = max(log_entries(log), default=0)
-        return _pending_rollback(log) is not None or AppliedState.read(self.model_dir).sequence < head
+        return _pending_rollback(log) is not None or AppliedState.read(self.folder).sequence < head
 
     def _follow(self) -> None:
+        swept = time.monotonic()
         while True:
             time.sleep(FOLLOW_EVERY_S)
+            if time.monotonic() - swept > SWEEP_EVERY_S:
+                sweep(self.tables.roots)
+                swept = time.monotonic()
             log = self._log()
             if log is None:
                 continue
@@ -261,7 +287,7 @@ class WorkerFreshness:
     def _catch_up(self, log: Path, paced: bool) -> None:
         if not self._behind(log):
             return
-        with self.lock.sole_writer(self.model_dir) as writer:
+        with self.lock.sole_writer(self.folder) as writer:
             if not writer:
                 return  # another worker applies them
             self._open_writer()
@@ -271,13 +297,13 @@ class WorkerFreshness:
             entries = log_entries(log)
             pace = self.pace if paced else Pace(rows_per_s=float("inf"), chunk_rows=self.pace.chunk_rows)
             while True:
-                state = AppliedState.read(self.model_dir)
+                state = AppliedState.read(self.folder)
                 path = entries.get(state.sequence + 1)
                 if path is None:
                     return
                 started = time.perf_counter()
                 delta = read_delta(path, self.layout)
-                apply_delta(delta, self._writer, self._writer_lock, self.model_dir, pace, start_row=state.partial,
+                apply_delta(delta, self._writer, self._writer_lock, self.folder, pace, start_row=state.partial,
                             undo=undo_file(log, delta.header.sequence))
                 logger.info("applied delta %d (%d rows) in %.2fs", delta.header.sequence, delta.header.rows,
                             time.perf_counter() - started)
@@ -288,7 +314,7 @@ class WorkerFreshness:
         that has a dense section, or the archive's own."""
         if isinstance(self.dense, str):
             return
-        applied = AppliedState.read(self.model_dir).sequence
+        applied = AppliedState.read(self.folder).sequence
         entries = log_entries(log)
         wanted = max((s for s, path in entries.items() if s <= applied and self._dense_in(path)), default=0)
         source = _identity(entries[wanted]) if wanted else None
@@ -309,12 +335,13 @@ class WorkerFreshness:
 
     def _note_worker(self) -> None:
         """What this worker serves, for the state call (answered by any of the model's workers)."""
-        folder = self.model_dir / WORKERS_FOLDER
+        folder = self.folder / WORKERS_FOLDER
         folder.mkdir(exist_ok=True)
         note = folder / f"{os.getpid()}.json"
         staged = note.with_name(note.name + ".tmp")
         staged.write_bytes(orjson.dumps({"pid": os.getpid(), "dense_sequence": self.dense_sequence,
-                                         "dense_swap_s": self.dense_swap_s, "since": time.time()}))
+                                         "dense_swap_s": self.dense_swap_s, "tables_locked": self.tables_locked,
+                                         "since": time.time()}))
         os.replace(staged, note)
 
 

@@ -4,6 +4,7 @@ row lock, never seen torn by a reader of another mapping."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import orjson
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from handlers.runtime.freshness.applier import AppliedState, Pace, RowLock, TableWriter, apply_delta
+from handlers.runtime.freshness.config import FreshnessConfig
 from handlers.runtime.freshness.delta_file import (
     DeltaError,
     DeltaWriter,
@@ -20,6 +22,7 @@ from handlers.runtime.freshness.delta_file import (
     read_header,
 )
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout, table_buffers
+from handlers.runtime.freshness.shared_tables import SharedTables
 
 TABLES = (
     TableLayout("a", "int8", 8, 1000, 12, buffer=0, offset=0),
@@ -225,10 +228,12 @@ def test_the_row_lock_holds_readers_off_while_a_chunk_is_written(tmp_path):
     "raw, problem",
     [({"rows_per_s": 0}, "must be positive"), ({"chunk_rows": -1}, "must be positive"), ({"speed": 1}, "unknown keys")],
 )
-def test_a_bad_pace_in_the_model_config_names_the_key(raw, problem):
+def test_a_bad_freshness_section_in_the_model_config_names_the_key(raw, problem):
     with pytest.raises(ValueError, match=problem):
-        Pace.from_mapping(raw)
-    assert Pace.from_mapping(None) == Pace() and Pace.from_mapping({"rows_per_s": 10}).rows_per_s == 10
+        FreshnessConfig.from_mapping(raw)
+    assert FreshnessConfig.from_mapping(None) == FreshnessConfig()
+    config = FreshnessConfig.from_mapping({"rows_per_s": 10, "tables_dir": "/big/tmpfs"})
+    assert config.pace.rows_per_s == 10 and config.tables_roots[0] == Path("/big/tmpfs")
 
 
 def test_while_a_rollback_is_under_way_a_second_one_and_publishes_are_refused(tmp_path):
@@ -239,7 +244,7 @@ def test_while_a_rollback_is_under_way_a_second_one_and_publishes_are_refused(tm
     log = tmp_path / "log"
     log.mkdir()
     _write(log / "00000001.delta")
-    freshness = WorkerFreshness(tmp_path, tmp_path / "weights.pt", LAYOUT, Pace(), dense="none here")
+    freshness = WorkerFreshness(tmp_path, SharedTables(tmp_path, tmp_path / "weights.pt", hold=-1), LAYOUT, Pace())
     asked = freshness.command({"op": "rollback", "to": 0, "log": str(log)})
     assert asked == {"status": 200, "rolling_back_to": 0, "from": 1}
     assert orjson.loads((log / ROLLBACK_MARK).read_bytes()) == {"to": 0, "from": 1}

@@ -1,0 +1,188 @@
+"""The working copy of a model's tables: the file its workers map and its deltas change, kept in
+shared memory and apart from the archive.
+
+Deltas change rows in place in a file that every worker of the model maps. That file must not be
+the archive's own: an unzipped archive is served from the model store itself, and writing into it
+would change the archive. Nor should it be on disk: every row written dirties a 4 KiB page that
+the kernel must write back, and the writeback of the few GiB of random pages that a stretch of
+deltas dirties stalled serving for 300 ms every ~20 s when measured. The tables' durability buys
+nothing there: the delta log is the durable record, and a fresh copy replays it.
+
+So the first worker of a model copies the archive's tables file into a folder of its own under
+``/dev/shm/torchrec-serve`` (tmpfs: memory, no writeback), or, where that lacks the room, under
+the system's temporary folder. The folder also holds the copy's freshness state (the applied
+sequence, the row lock, the workers' notes), so the copy and what is known about it always go
+together. It is named by the archive's folder and fingerprint: every worker of the model finds
+the same one.
+
+Each worker locks its mappings of the copy in memory (``lock_in_memory``): the copy is memory
+already, but a kernel that reclaims cold pages (these machines run DAMON's ``pageout`` on pages
+unused for a minute) would otherwise keep unmapping the tables' pages from every worker and
+fault them back in, which showed as serving stalls of up to a second.
+
+Each worker holds a shared lock on the folder's ``hold`` file for as long as it lives; a folder
+nobody holds (its model unregistered or scaled to zero, its server stopped) is removed by the
+next ``sweep``: at every worker's start, every minute by the follower, and when the launcher
+stops TorchServe.
+
+    tables = SharedTables.open(model_dir, archive_file, fingerprint)   # copies once, then holds it
+    tables.file      # what the workers map and the writer writes
+    tables.folder    # the copy's freshness state
+    lock_in_memory(tables.file)   # once mapped: its pages stay mapped
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+logger = logging.getLogger(__name__)
+
+ROOTS = (Path("/dev/shm/torchrec-serve"), Path(tempfile.gettempdir()) / "torchrec-serve-tables")
+HOLD_FILE = "hold"
+COPY_LOCK = "copy.lock"
+HEADROOM_BYTES = 256 << 20  # left free on the chosen file system beyond the copy
+_MLOCK_ONFAULT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedTables:
+    folder: Path
+    file: Path
+    hold: int  # the open ``hold`` file, locked shared while this process serves the copy
+    roots: tuple[Path, ...] = ROOTS  # where copies are made (and swept)
+
+    @classmethod
+    def open(
+        cls, model_dir: Path, source: Path, fingerprint: str, roots: Sequence[Path] = ROOTS
+    ) -> "SharedTables":
+        """The model's copy of ``source`` (made now if no worker made it yet), held by this
+        process until it exits."""
+        sweep(roots)
+        key = hashlib.sha256(f"{Path(model_dir).resolve()}\n{fingerprint}".encode()).hexdigest()[:16]
+        name = f"{Path(model_dir).name}-{key}"
+        for _ in range(10):  # a sweep may remove an unheld folder between our steps: start again
+            folder = _existing(roots, name, source.name) or _room_for(roots, source) / name
+            hold = _hold(folder)
+            if hold is None:
+                continue
+            copy = folder / source.name
+            if not copy.exists():
+                _copy(source, folder)
+            return cls(folder, copy, hold, tuple(roots))
+        raise RuntimeError(f"could not hold a copy of {source} under {roots}")
+
+
+def sweep(roots: Sequence[Path] = ROOTS) -> list[Path]:
+    """Removes the copies that no process holds; returns their folders."""
+    removed = []
+    for root in roots:
+        for folder in sorted(root.iterdir()) if root.is_dir() else ():
+            try:
+                fd = os.open(folder / HOLD_FILE, os.O_RDWR)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # being made: its maker holds it as soon as the file exists
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # served
+            else:
+                shutil.rmtree(folder, ignore_errors=True)  # a worker waiting on its hold finds it unlinked
+                removed.append(folder)
+                logger.info("removed %s: no worker serves it", folder)
+            finally:
+                os.close(fd)
+    return removed
+
+
+def _existing(roots: Sequence[Path], name: str, file_name: str) -> Path | None:
+    return next((root / name for root in roots if (root / name / file_name).exists()), None)
+
+
+def _room_for(roots: Sequence[Path], source: Path) -> Path:
+    """The first root with room for a copy of ``source``."""
+    needed = source.stat().st_size + HEADROOM_BYTES
+    for root in roots:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if shutil.disk_usage(root).free >= needed:
+            return root
+        logger.warning("%s has %.1f GiB free, a copy of the tables needs %.1f GiB: trying the next place",
+                       root, shutil.disk_usage(root).free / 2**30, needed / 2**30)
+    raise OSError(f"no room for a {needed / 2**30:.1f} GiB copy of {source.name} in any of {[str(r) for r in roots]}")
+
+
+def _hold(folder: Path) -> int | None:
+    """The folder's ``hold`` file, locked shared; None if a sweep removed the folder meanwhile."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / HOLD_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    if os.fstat(fd).st_nlink == 0:  # swept while we waited for the lock
+        os.close(fd)
+        return None
+    return fd
+
+
+def _copy(source: Path, folder: Path) -> None:
+    """Copies ``source`` into ``folder`` once, whichever worker gets here first; a folder without
+    the copy holds nothing worth keeping (state of an earlier copy that a sweep half removed)."""
+    fd = os.open(folder / COPY_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        copy = folder / source.name
+        if copy.exists():
+            return  # another worker made it while this one waited
+        for leftover in folder.iterdir():
+            if leftover.name not in (HOLD_FILE, COPY_LOCK):
+                shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        started = time.perf_counter()
+        staged = copy.with_name(copy.name + ".partial")
+        shutil.copyfile(source, staged)
+        os.replace(staged, copy)
+        logger.info("copied the tables (%.1f GiB) to %s in %.1fs", copy.stat().st_size / 2**30, copy,
+                    time.perf_counter() - started)
+    finally:
+        os.close(fd)
+
+
+def mappings(path: Path) -> list[tuple[int, int, int]]:
+    """This process's mappings of the file ``path``: (start address, end address, file offset)."""
+    target = str(Path(path).resolve())
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == target:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                found.append((start, end, int(fields[2], 16)))
+    return found
+
+
+def lock_in_memory(path: Path) -> int | str:
+    """Locks this process's mappings of ``path`` in memory, each page from when it is first
+    touched on (``mlock2(MLOCK_ONFAULT)``: nothing is read in ahead, the pages are shared, so
+    this costs no memory). Returns the bytes of mapping locked, or why it could not (an
+    unprivileged process's ``RLIMIT_MEMLOCK``): serving goes on either way."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    locked = 0
+    for start, end, _ in mappings(path):
+        if libc.mlock2(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MLOCK_ONFAULT) != 0:
+            why = errno.errorcode.get(ctypes.get_errno(), "?")
+            return f"mlock2 of {path} failed ({why}): raise the memlock limit (ulimit -l) to keep the tables mapped"
+        locked += end - start
+    return locked

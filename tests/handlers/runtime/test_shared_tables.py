@@ -1,0 +1,123 @@
+"""The working copy of a model's tables: made once for all its workers, apart from the archive,
+kept while a worker holds it and removed once none does."""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+
+from handlers.runtime.freshness.applier import STATE_FILE
+from handlers.runtime.freshness.shared_tables import SharedTables, lock_in_memory, sweep
+
+
+@pytest.fixture
+def archive(tmp_path: Path) -> Path:
+    folder = tmp_path / "archive"
+    folder.mkdir()
+    (folder / "weights.pt").write_bytes(os.urandom(1 << 16))
+    return folder
+
+
+def _release(tables: SharedTables) -> None:
+    os.close(tables.hold)  # as a worker's exit does
+
+
+def test_the_workers_of_a_model_share_one_copy_and_the_archive_stays_as_it_was(archive, tmp_path):
+    roots = (tmp_path / "shm",)
+    source = archive / "weights.pt"
+    original = source.read_bytes()
+    first = SharedTables.open(archive, source, "f" * 64, roots)
+    second = SharedTables.open(archive, source, "f" * 64, roots)
+    assert first.file == second.file and first.file.parent.parent == roots[0]
+    assert first.file.read_bytes() == original
+    with open(first.file, "r+b") as copy:  # a delta's row
+        copy.write(b"\xff" * 16)
+    assert source.read_bytes() == original and second.file.read_bytes()[:16] == b"\xff" * 16
+    other_weights = SharedTables.open(archive, source, "e" * 64, roots)  # the archive rebuilt
+    assert other_weights.folder != first.folder
+    for tables in (first, second, other_weights):
+        _release(tables)
+
+
+def test_a_copy_is_kept_while_any_worker_holds_it_and_swept_after(archive, tmp_path):
+    roots = (tmp_path / "shm",)
+    first = SharedTables.open(archive, archive / "weights.pt", "f" * 64, roots)
+    second = SharedTables.open(archive, archive / "weights.pt", "f" * 64, roots)
+    _release(first)
+    assert sweep(roots) == [] and first.file.exists()
+    _release(second)
+    assert sweep(roots) == [first.folder] and not first.folder.exists()
+
+
+def _serve(archive: Path, roots: tuple[Path, ...], ready) -> None:
+    SharedTables.open(archive, archive / "weights.pt", "f" * 64, roots)
+    ready.set()
+    multiprocessing.Event().wait()  # until killed
+
+
+def test_a_killed_worker_lets_go_of_its_copy(archive, tmp_path):
+    roots = (tmp_path / "shm",)
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    worker = context.Process(target=_serve, args=(archive, roots, ready))
+    worker.start()
+    try:
+        assert ready.wait(60)
+        assert sweep(roots) == []
+    finally:
+        worker.kill()
+        worker.join()
+    (folder,) = sweep(roots)
+    assert not folder.exists()
+
+
+def test_a_half_swept_copy_is_made_again_without_its_old_state(archive, tmp_path):
+    """State without the tables it describes must not be trusted: a fresh copy starts from the
+    archive's rows, so its state starts from nothing."""
+    roots = (tmp_path / "shm",)
+    tables = SharedTables.open(archive, archive / "weights.pt", "f" * 64, roots)
+    (tables.folder / STATE_FILE).write_text('{"sequence": 7}')
+    tables.file.unlink()  # held meanwhile, so no sweep removes the folder
+    again = SharedTables.open(archive, archive / "weights.pt", "f" * 64, roots)
+    assert again.folder == tables.folder
+    assert again.file.read_bytes() == (archive / "weights.pt").read_bytes()
+    assert not (again.folder / STATE_FILE).exists()
+    _release(tables)
+    _release(again)
+
+
+def test_a_place_that_cannot_hold_the_copy_is_passed_over(archive, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    unusable = tmp_path / "a-file" / "shm"
+    tables = SharedTables.open(archive, archive / "weights.pt", "f" * 64, (unusable, tmp_path / "tmp"))
+    assert tables.folder.parent == tmp_path / "tmp"
+    _release(tables)
+    with pytest.raises(OSError, match="no room for a"):
+        SharedTables.open(archive, archive / "weights.pt", "e" * 64, (unusable,))
+
+
+def test_a_mapped_copy_is_locked_in_memory_as_its_pages_are_touched(archive, tmp_path):
+    tables = SharedTables.open(archive, archive / "weights.pt", "f" * 64, (tmp_path / "shm",))
+    with open(tables.file, "rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ)
+    locked = lock_in_memory(tables.file)
+    if isinstance(locked, str):  # an unprivileged process past its memlock limit: said why
+        assert "ulimit -l" in locked
+    else:
+        assert locked >= len(mapped)
+        assert mapped[:16] == (archive / "weights.pt").read_bytes()[:16]
+        assert _locked_kib() > 0
+    mapped.close()
+    _release(tables)
+
+
+def _locked_kib() -> int:
+    """This process's locked memory (``VmLck``), pages touched so far."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmLck:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmLck in /proc/self/status")
