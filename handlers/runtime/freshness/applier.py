@@ -151,9 +151,9 @@ def _index(ids: np.ndarray) -> torch.Tensor:
 def file_offset(tensor: torch.Tensor, path: Path) -> int:
     """Where ``tensor``'s first byte lies in the file ``path``, which this process has mapped."""
     address = tensor.data_ptr()
-    for start, end, offset in mappings(path):
-        if start <= address < end:
-            return address - start + offset
+    for mapping in mappings(path):
+        if mapping.start <= address < mapping.end:
+            return address - mapping.start + mapping.offset
     raise ValueError(f"the tensor at {address:#x} is not mapped from {Path(path).resolve()}")
 
 

@@ -46,7 +46,7 @@ from handlers.runtime.freshness.config import FreshnessConfig
 from handlers.runtime.freshness.delta_file import DeltaError, check_dense, read_delta, read_header
 from handlers.runtime.freshness.dense import DenseSlot, dense_slot
 from handlers.runtime.freshness.layout import LAYOUT_FILE, TablesLayout, table_buffers
-from handlers.runtime.freshness.shared_tables import SharedTables, lock_in_memory, sweep
+from handlers.runtime.freshness.shared_tables import SharedTables, pin_in_memory, sweep
 from handlers.runtime.options import HandlerOptions
 
 logger = logging.getLogger(__name__)
@@ -90,13 +90,13 @@ class WorkerFreshness:
         self.dense: DenseSlot | str = "the model is not loaded yet"  # or why it cannot swap dense weights
         self.lock = RowLock(self.folder)
         self._writer_lock = RowLock(self.folder)  # its own open file: excludes this process's readers
-        self._writer: TableWriter | None = None
+        self._writer: TableWriter | None = None  # every worker may become the writer: made at start
         self._thread: threading.Thread | None = None
         self._has_dense: dict[tuple[int, int], bool] = {}  # the log's deltas (by file): which have dense weights
         self.dense_sequence = 0  # the delta whose dense weights this worker serves (0: the archive's)
         self._dense_file: tuple[int, int] | None = None  # that delta's file (a rolled-back one may be replaced)
         self.dense_swap_s: float | None = None
-        self.tables_locked: bool | None = None  # this process's mappings of the copy locked in memory
+        self.tables_pinned: bool | None = None  # this process's mappings of the copy all mapped, locked
         self.error: str | None = None
 
     @classmethod
@@ -115,7 +115,10 @@ class WorkerFreshness:
             return f"a {options.describe()} archive cannot take deltas: {unsupported}"
         if not (model_dir / LOG_POINTER).exists():
             return "no delta log is named for this model: register it through the plugin to publish deltas"
-        tables = SharedTables.open(model_dir, archive_file, layout.fingerprint, config.tables_roots)
+        try:
+            tables = SharedTables.open(model_dir, archive_file, layout.fingerprint, config.tables_roots)
+        except OSError as e:  # the model still serves, from the archive's own file
+            return f"no working copy of the tables could be made ({e}); free memory or set freshness.tables_dir"
         return cls(model_dir, tables, layout, config.pace)
 
     # -- serving ---------------------------------------------------------------------------------
@@ -125,7 +128,10 @@ class WorkerFreshness:
         its head, by this worker (unpaced) or by the one applying it already; then follows the
         log."""
         self.dense = dense_slot(runner)
-        self._lock_tables()
+        # Mapped and pinned before serving: pinning a mapping later (6 GiB: 1.5M pages) would hold
+        # up this process's memory calls, the forwards' among them, for a second or more.
+        self._writer = _writer(self.weights_file, self.layout)
+        self._pin_tables()
         log = self._log()
         while log is not None and self._behind(log):
             self._catch_up(log, paced=False)  # at once, when another worker holds the writer lock
@@ -205,18 +211,19 @@ class WorkerFreshness:
         except FileNotFoundError:
             return None
 
-    def _open_writer(self) -> TableWriter:
-        if self._writer is None:
-            buffers = table_buffers(torch.load(self.weights_file, mmap=True, weights_only=True))
-            self._writer = TableWriter(self.weights_file, buffers, self.layout)
-            self._lock_tables()  # the writer's mapping too
+    def _table_writer(self) -> TableWriter:
+        assert self._writer is not None, "start() makes the writer"
         return self._writer
 
-    def _lock_tables(self) -> None:
-        locked = lock_in_memory(self.weights_file)
-        if isinstance(locked, str) and self.tables_locked is not False:
-            logger.warning("%s; the kernel may unmap cold table pages while serving", locked)
-        self.tables_locked = not isinstance(locked, str)
+    def _pin_tables(self) -> None:
+        started = time.perf_counter()
+        pinned = pin_in_memory(self.weights_file)
+        if isinstance(pinned, str):
+            if self.tables_pinned is not False:
+                logger.warning("%s; table pages will be faulted in as rows are read and written", pinned)
+        else:
+            logger.info("pinned %.1f GiB of table mappings in %.2fs", pinned / 2**30, time.perf_counter() - started)
+        self.tables_pinned = not isinstance(pinned, str)
 
     def _rollback(self, to: int, log: Path) -> dict[str, Any]:
         """Asks for the tables as they were after delta ``to`` (0: the archive's own rows): the
@@ -246,7 +253,7 @@ class WorkerFreshness:
         head = max(entries, default=0)
         state = AppliedState.read(self.folder)
         newest = state.sequence + (1 if state.partial else 0)  # a delta half applied is undone too
-        writer = self._open_writer()
+        writer = self._table_writer()
         for sequence in range(newest, to, -1):
             undo = undo_file(log, sequence)
             if undo.exists():  # absent: the delta's writing never began
@@ -290,7 +297,6 @@ class WorkerFreshness:
         with self.lock.sole_writer(self.folder) as writer:
             if not writer:
                 return  # another worker applies them
-            self._open_writer()
             rollback = _pending_rollback(log)
             if rollback is not None:
                 self._roll_back(log, rollback["to"])
@@ -303,7 +309,7 @@ class WorkerFreshness:
                     return
                 started = time.perf_counter()
                 delta = read_delta(path, self.layout)
-                apply_delta(delta, self._writer, self._writer_lock, self.folder, pace, start_row=state.partial,
+                apply_delta(delta, self._table_writer(), self._writer_lock, self.folder, pace, start_row=state.partial,
                             undo=undo_file(log, delta.header.sequence))
                 logger.info("applied delta %d (%d rows) in %.2fs", delta.header.sequence, delta.header.rows,
                             time.perf_counter() - started)
@@ -340,9 +346,15 @@ class WorkerFreshness:
         note = folder / f"{os.getpid()}.json"
         staged = note.with_name(note.name + ".tmp")
         staged.write_bytes(orjson.dumps({"pid": os.getpid(), "dense_sequence": self.dense_sequence,
-                                         "dense_swap_s": self.dense_swap_s, "tables_locked": self.tables_locked,
+                                         "dense_swap_s": self.dense_swap_s, "tables_pinned": self.tables_pinned,
                                          "since": time.time()}))
         os.replace(staged, note)
+
+
+def _writer(weights_file: Path, layout: TablesLayout) -> TableWriter:
+    """A writer of the tables in ``weights_file`` (its buffers found through a mapping of the file
+    that goes once this returns)."""
+    return TableWriter(weights_file, table_buffers(torch.load(weights_file, mmap=True, weights_only=True)), layout)
 
 
 def _identity(path: Path) -> tuple[int, int]:

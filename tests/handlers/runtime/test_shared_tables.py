@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from handlers.runtime.freshness.applier import STATE_FILE
-from handlers.runtime.freshness.shared_tables import SharedTables, lock_in_memory, sweep
+from handlers.runtime.freshness.shared_tables import SharedTables, pin_in_memory, sweep
 
 
 @pytest.fixture
 def archive(tmp_path: Path) -> Path:
     folder = tmp_path / "archive"
     folder.mkdir()
-    (folder / "weights.pt").write_bytes(os.urandom(1 << 16))
+    (folder / "weights.pt").write_bytes(os.urandom(8 << 20))  # 2,048 pages
     return folder
 
 
@@ -100,24 +100,32 @@ def test_a_place_that_cannot_hold_the_copy_is_passed_over(archive, tmp_path):
         SharedTables.open(archive, archive / "weights.pt", "e" * 64, (unusable,))
 
 
-def test_a_mapped_copy_is_locked_in_memory_as_its_pages_are_touched(archive, tmp_path):
+def test_a_mapped_copy_is_pinned_whole_without_a_copy_of_its_pages(archive, tmp_path):
+    """Every page of a reader's (private) and the writer's (shared) mapping is mapped at once and
+    locked; the reader's pages stay the copy's own (no copy-on-write: anonymous memory does not
+    grow), and a row written through the shared mapping is seen through the private one."""
     tables = SharedTables.open(archive, archive / "weights.pt", "f" * 64, (tmp_path / "shm",))
-    with open(tables.file, "rb") as file:
-        mapped = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ)
-    locked = lock_in_memory(tables.file)
-    if isinstance(locked, str):  # an unprivileged process past its memlock limit: said why
-        assert "ulimit -l" in locked
+    with open(tables.file, "r+b") as file:
+        reader = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        writer = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_SHARED)
+    anonymous = _status_kib("RssAnon")
+    pinned = pin_in_memory(tables.file)
+    if isinstance(pinned, str):  # an unprivileged process past its memlock limit: says why
+        assert "ulimit -l" in pinned
     else:
-        assert locked >= len(mapped)
-        assert mapped[:16] == (archive / "weights.pt").read_bytes()[:16]
-        assert _locked_kib() > 0
-    mapped.close()
+        assert pinned == 2 * len(reader)
+        assert _status_kib("VmLck") >= 2 * len(reader) // 1024
+        assert _status_kib("RssAnon") - anonymous < len(reader) // 1024 // 2
+    writer[:4] = b"\x01\x02\x03\x04"
+    assert reader[:4] == b"\x01\x02\x03\x04"
+    reader.close()
+    writer.close()
     _release(tables)
 
 
-def _locked_kib() -> int:
-    """This process's locked memory (``VmLck``), pages touched so far."""
+def _status_kib(field: str) -> int:
+    """A figure of this process's ``/proc/self/status``, in KiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmLck:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
-    raise AssertionError("no VmLck in /proc/self/status")
+    raise AssertionError(f"no {field} in /proc/self/status")
