@@ -5,18 +5,21 @@ max load, on the real TorchServe with the project's plugin.
     make bench SCENARIO=freshness-smoke    # tiny model, a minute (the test suite runs it)
 
 One open loop of one-item requests at 50% of the max load (``reliability.max_load``) runs from
-start to end; on it, in turn: an idle stretch; deltas of ``rows_per_delta`` random rows (from rows
-files, through ``torchrec-serve delta``) published one after another, each as soon as the one
-before is visible; a delta of new dense weights only; a rollback of the last deltas (dense weights
+start to end; on it, in turn: ``rounds`` times an idle stretch then deltas of ``rows_per_delta``
+random rows (from rows files, through ``torchrec-serve delta``) published one after another, each
+as soon as the one before is visible (idle and publishing alternate so that whatever else slows
+the machine now and then falls on both alike); a delta of new dense weights only; a rollback of the last deltas (dense weights
 included); a version transition (register 2.0, set it default, unregister 1.0). Writes
 ``benchmarks/results/SCENARIO/freshness.json``:
 
 * ``rows_per_min``: rows applied (visible to every worker: they map the same tables) per minute
-  over the publishing stretch, first POST to last delta visible;
+  over the publishing stretches, first POST to last delta visible;
 * ``publish_to_visible_p50_s``, ``publish_to_visible_p99_s``: POST answered (the delta is in the
-  log) -> the applied sequence past it, polled every 20 ms;
+  log) -> the applied sequence past it, polled every 100 ms;
 * ``serving_p99_ms_idle``, ``serving_p99_ms_during``, ``serving_p99_ratio``: the load's p99 over
-  the idle stretch, and over the publishing stretch (at least 2 s);
+  the idle stretches, and over the publishing stretches (each at least 2 s);
+* ``typical_second_p99_ms_idle``, ``typical_second_p99_ms_during``: the median over those seconds
+  of each second's p99, which a stall of the machine in one second does not move;
 * ``failed_requests``: non-200 answers over the whole run;
 * ``rss_growth_mib``: the server's anonymous memory (frontend and workers, ``RssAnon``), after the
   publishing against before; mapped table pages that the writer touched are page cache, shared
@@ -61,7 +64,7 @@ from handlers.modeling.factory import DLRMFactory  # noqa: E402
 from handlers.modeling.registry import load_spec  # noqa: E402
 from handlers.modeling.spec import ModelSpec  # noqa: E402
 
-POLL_S = 0.02
+POLL_S = 0.1  # GET /freshness is answered by a worker: polled as an operator would, not in a loop
 MIN_WINDOW_S = 2.0  # the shortest stretch a p99 is taken over (the smoke's deltas apply in less)
 
 
@@ -74,7 +77,8 @@ class FreshnessScenario:
     deltas: int
     rows_per_delta: int
     rolled_back: int  # deltas undone by the rollback (the dense one among them)
-    idle_s: float
+    rounds: int  # idle, then publishing, this many times
+    idle_s: float  # in all
     max_load_step_s: float
 
 
@@ -82,12 +86,12 @@ FRESHNESS_SCENARIOS = {
     "freshness": FreshnessScenario(
         "freshness", MODELS / "criteo_1tb.yaml",
         ("--init", "quantized", "--archive-format", "no-archive", "--artifact", "aoti"),
-        workers=2, deltas=40, rows_per_delta=100_000, rolled_back=5, idle_s=30.0, max_load_step_s=6.0,
+        workers=2, deltas=81, rows_per_delta=100_000, rolled_back=5, rounds=4, idle_s=60.0, max_load_step_s=6.0,
     ),
     "freshness-smoke": FreshnessScenario(
         "freshness-smoke", MODELS / "tiny.yaml",
         ("--archive-format", "no-archive", "--artifact", "aoti"),
-        workers=2, deltas=6, rows_per_delta=300, rolled_back=3, idle_s=3.0, max_load_step_s=1.5,
+        workers=2, deltas=6, rows_per_delta=300, rolled_back=3, rounds=2, idle_s=3.0, max_load_step_s=1.5,
     ),
 }
 
@@ -116,6 +120,9 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
     figures: dict = {"scenario": scenario.name, "workers": scenario.workers, "rows_per_delta": scenario.rows_per_delta,
                      "delta_mib": sum(d.stat().st_size for d in deltas[:-1]) / 2**20}
     marks: dict[str, list[float]] = {"publish": []}
+    idle: list[tuple[float, float]] = []
+    publishing: list[tuple[float, float]] = []
+    visible_s: list[float] = []
     with LocalTorchServe(model_store=store) as server:
         ok(server.register(archive.name, batch_size=32, max_batch_delay=5, initial_workers=scenario.workers))
         url = f"{server.inference_url}/predictions/{name}"
@@ -124,26 +131,26 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
         figures.update(max_load(url, auth, traffic, scenario.max_load_step_s))
         rate = 0.5 * figures["max_load_rps"]
         figures["load_rps"] = rate
-        progress = tqdm(total=len(deltas) + 4, desc=scenario.name, unit="step")
+        progress = tqdm(total=len(deltas) + 2, desc=scenario.name, unit="step")
         with BackgroundLoad(url, auth, traffic, rate) as load:
-            idle = (time.perf_counter(),)
-            time.sleep(scenario.idle_s)
-            idle += (time.perf_counter(),)
-            progress.update()
-
             memory_before = _server_memory(server)
-            visible_s, publishing_start = [], time.perf_counter()
-            for sequence, delta in enumerate(deltas[:-1], start=1):
-                marks["publish"].append(time.perf_counter())
-                _publish(server, name, delta.name)
-                accepted = time.perf_counter()
-                _wait(lambda: _state(server, name)["applied_sequence"] >= sequence)
-                visible_s.append(time.perf_counter() - accepted)
-                progress.update()
-            last_visible = time.perf_counter()
-            while time.perf_counter() < publishing_start + MIN_WINDOW_S:  # a p99 needs requests
-                time.sleep(POLL_S)
-            publishing = (publishing_start, time.perf_counter())
+            sequence = 0
+            for group in np.array_split(np.arange(len(deltas) - 1), scenario.rounds):
+                idle_start = time.perf_counter()
+                time.sleep(scenario.idle_s / scenario.rounds)
+                idle.append((idle_start, time.perf_counter()))
+                publishing_start = time.perf_counter()
+                for index in group:
+                    sequence += 1
+                    marks["publish"].append(time.perf_counter())
+                    _publish(server, name, deltas[index].name)
+                    accepted = time.perf_counter()
+                    _wait(lambda: _state(server, name)["applied_sequence"] >= sequence)
+                    visible_s.append(time.perf_counter() - accepted)
+                    progress.update()
+                while time.perf_counter() < publishing_start + MIN_WINDOW_S:  # a p99 needs requests
+                    time.sleep(POLL_S)
+                publishing.append((publishing_start, time.perf_counter()))
             memory_after = _server_memory(server)
 
             dense_at = time.perf_counter()
@@ -177,12 +184,14 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
 
     result = load.result
     figures.update({
-        "rows_per_min": 60 * scenario.rows_per_delta * len(visible_s) / (last_visible - publishing[0]),
+        "rows_per_min": 60 * scenario.rows_per_delta * len(visible_s) / sum(b - a for a, b in publishing),
         "publish_to_visible_p50_s": float(np.percentile(visible_s, 50)),
         "publish_to_visible_p99_s": float(np.percentile(visible_s, 99)),
         "publish_to_visible_s": visible_s,
         "serving_p99_ms_idle": _p99_ms(result, *idle),
         "serving_p99_ms_during": _p99_ms(result, *publishing),
+        "typical_second_p99_ms_idle": _typical_second_p99_ms(result, idle),
+        "typical_second_p99_ms_during": _typical_second_p99_ms(result, publishing),
         "failed_requests": _failed(result, result.events[0][0], float("inf")),
         "statuses": result.statuses,
         "rss_growth_mib": memory_after["anon_mib"] - memory_before["anon_mib"],
@@ -194,13 +203,13 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
         "rollback_failed_requests": _failed(result, *rollback),
         "version_swap_s": swap[1] - swap[0],
         "version_swap_failed_requests": _failed(result, swap[0], swap[1] + 1.0),
-        "version_swap_p99_ms": _p99_ms(result, swap[0], swap[1] + 1.0),
+        "version_swap_p99_ms": _p99_ms(result, (swap[0], swap[1] + 1.0)),
     })
     figures["serving_p99_ratio"] = figures["serving_p99_ms_during"] / figures["serving_p99_ms_idle"]
     (out_dir / "freshness.json").write_bytes(orjson.dumps(figures, option=orjson.OPT_INDENT_2))
     (out_dir / "summary.txt").write_text(_summary(figures))
-    _plot(result, marks, {"idle": idle, "publishing": publishing, "dense": dense, "rollback": rollback,
-                          "version": swap}, out_dir / "freshness.png")
+    _plot(result, marks, {"idle": idle, "publishing": publishing, "dense": [dense], "rollback": [rollback],
+                          "version": [swap]}, out_dir / "freshness.png")
     print(_summary(figures))
     return figures
 
@@ -306,11 +315,25 @@ def _in(result: LoadResult, start: float, end: float) -> list[tuple[float, float
     return [e for e in result.events if start <= e[0] < end]
 
 
-def _p99_ms(result: LoadResult, start: float, end: float) -> float:
-    latencies = [(answered - sent) * 1000 for sent, answered, status in _in(result, start, end) if status == "200"]
+def _latencies_ms(result: LoadResult, spans: tuple[tuple[float, float], ...]) -> list[tuple[float, float]]:
+    """(sent, latency in ms) of the requests sent within ``spans`` and answered 200."""
+    return [(sent, (answered - sent) * 1000) for start, end in spans
+            for sent, answered, status in _in(result, start, end) if status == "200"]
+
+
+def _p99_ms(result: LoadResult, *spans: tuple[float, float]) -> float:
+    latencies = [ms for _, ms in _latencies_ms(result, spans)]
     if not latencies:
-        raise RuntimeError(f"no request answered 200 in the {end - start:.2f} s measured")
+        raise RuntimeError(f"no request answered 200 in the {sum(b - a for a, b in spans):.2f} s measured")
     return float(np.percentile(latencies, 99))
+
+
+def _typical_second_p99_ms(result: LoadResult, spans: list[tuple[float, float]]) -> float:
+    """The median over the seconds of ``spans`` of each second's p99."""
+    by_second: dict[int, list[float]] = {}
+    for sent, ms in _latencies_ms(result, tuple(spans)):
+        by_second.setdefault(int(sent), []).append(ms)
+    return float(np.median([np.percentile(ms, 99) for ms in by_second.values()]))
 
 
 def _failed(result: LoadResult, start: float, end: float) -> int:
@@ -325,7 +348,8 @@ def _summary(figures: dict) -> str:
         limit = figures[bound] if isinstance(bound, str) else bound
         met = value >= limit if op == ">=" else value <= limit
         lines.append(f"  {key:<32}{_fmt(value):>14}  target {op} {bound} ({_fmt(limit)}): {'met' if met else 'MISSED'}")
-    for key in ("publish_to_visible_p50_s", "serving_p99_ms_idle", "serving_p99_ms_during", "rss_total_growth_mib",
+    for key in ("publish_to_visible_p50_s", "serving_p99_ms_idle", "serving_p99_ms_during", "typical_second_p99_ms_idle",
+                "typical_second_p99_ms_during", "rss_total_growth_mib",
                 "dense_swap_s", "dense_swap_worker_s", "rollback_s", "version_swap_s", "version_swap_p99_ms"):
         lines.append(f"  {key:<32}{_fmt(figures[key]):>14}")
     return "\n".join(lines) + "\n"
@@ -335,7 +359,9 @@ def _fmt(value: object) -> str:
     return f"{value:,.3f}" if isinstance(value, float) else f"{value:,}"
 
 
-def _plot(result: LoadResult, marks: dict[str, list[float]], spans: dict[str, tuple[float, float]], path: Path) -> None:
+def _plot(
+    result: LoadResult, marks: dict[str, list[float]], spans: dict[str, list[tuple[float, float]]], path: Path
+) -> None:
     start = result.events[0][0]
     sent = np.array([e[0] - start for e in result.events if e[2] == "200"])
     latency = np.array([(e[1] - e[0]) * 1000 for e in result.events if e[2] == "200"])
@@ -345,8 +371,9 @@ def _plot(result: LoadResult, marks: dict[str, list[float]], spans: dict[str, tu
     fig, ax = plt.subplots(figsize=(10, 3.6))
     ax.plot(bins, p99, linewidth=1, color="black", label="p99 of each second")
     colors = {"idle": "#dddddd", "publishing": "#cfe3f7", "dense": "#f7e0c3", "rollback": "#e3d3f2", "version": "#d3f2d9"}
-    for label, (a, b) in spans.items():
-        ax.axvspan(a - start, b - start, color=colors[label], label=label)
+    for label, stretches in spans.items():
+        for index, (a, b) in enumerate(stretches):
+            ax.axvspan(a - start, b - start, color=colors[label], label=label if index == 0 else None)
     for t in marks["publish"]:
         ax.axvline(t - start, color="tab:blue", linewidth=0.4)
     ax.set_xlabel("seconds")
