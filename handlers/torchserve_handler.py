@@ -59,13 +59,12 @@ class DLRMHandler:
         gpu_id = context.system_properties.get("gpu_id")
         options = HandlerOptions.from_mapping((context.model_yaml_config or {}).get("handler"))
         config = FreshnessConfig.from_mapping((context.model_yaml_config or {}).get("freshness"))
-        self.freshness = WorkerFreshness.open(model_dir, options, config)  # the tables' working copy
-        fresh = isinstance(self.freshness, WorkerFreshness)
-        tables = self.freshness.weights_file if fresh else None  # type: ignore[union-attr]
+        freshness = self.freshness = WorkerFreshness.open(model_dir, options, config)  # the tables' working copy
+        tables = freshness.weights_file if isinstance(freshness, WorkerFreshness) else None
         self.service = load_service(model_dir, options, gpu_id, model_name=context.model_name, tables_file=tables)
-        if isinstance(self.freshness, WorkerFreshness):
-            self.freshness.start(self.service.model)  # the model's delta log replayed before the first request
-            self.service.model = LockedRunner(self.service.model, self.freshness.lock)
+        if isinstance(freshness, WorkerFreshness):
+            freshness.start(self.service.model)  # the model's delta log replayed before the first request
+            self.service.model = LockedRunner(self.service.model, freshness.lock)
         self.metrics = MetricsPublisher(options.metrics_flush_s)
         gc.collect()
         gc.freeze()

@@ -92,8 +92,8 @@ def sweep(roots: Sequence[Path] = ROOTS) -> list[Path]:
         for folder in sorted(root.iterdir()) if root.is_dir() else ():
             try:
                 fd = os.open(folder / HOLD_FILE, os.O_RDWR)
-            except (FileNotFoundError, NotADirectoryError):
-                continue  # being made: its maker holds it as soon as the file exists
+            except OSError:
+                continue  # being made (its maker holds it as soon as the file exists), or not ours
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
