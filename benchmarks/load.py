@@ -8,8 +8,8 @@
 Both are bounded by time and by count. The client's own CPU use (process time / wall time, in
 cores) is reported so that a saturated client is visible in the results.
 
-``BackgroundLoad`` runs an open loop on a thread of its own while the caller does something to the
-server (kill a worker, scale, register), and keeps every request's (sent, answered, status).
+``BackgroundLoad`` runs an open loop in a process of its own while the caller does something to
+the server (kill a worker, scale, register), and keeps every request's (sent, answered, status).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import threading
+import multiprocessing
 import time
 from collections import Counter
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -118,35 +119,51 @@ def run_open_loop(
 
 
 class BackgroundLoad:
-    """An open loop at ``rate`` on its own thread until ``stop()``, which returns its result with
-    every request's events:
+    """An open loop at ``rate`` in a process of its own until ``stop()``, which returns its result
+    with every request's events:
 
         with BackgroundLoad(url, headers, traffic, rate=200) as load:
             ...                                  # act on the server
         load.result.events                       # [(sent, answered, status)]
+
+    A process, not a thread: the caller's own work (publishing, polling, parsing answers) would
+    otherwise share the GIL with the loop and delay the sending and reading that its latencies
+    are timed by. Times are ``time.perf_counter`` (the system's monotonic clock), comparable with
+    the caller's. ``__enter__`` returns once the loop is sending.
     """
 
     def __init__(self, url: str, headers: dict, traffic: Traffic, rate: float, max_s: float = 3600.0) -> None:
-        self._stopping = threading.Event()
-        self._args = (url, headers, traffic, rate, max_s, 1024, 0)
+        context = multiprocessing.get_context("spawn")
+        self._sending = context.Event()
+        self._stopping = context.Event()
+        self._results = context.Queue()
+        self._process = context.Process(
+            target=_background,
+            args=((url, headers, traffic, rate, max_s, 1024, 0), self._sending, self._stopping, self._results),
+            daemon=True,
+        )
         self.result: LoadResult | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        self.result = asyncio.run(_open(*self._args, stopping=self._stopping, keep_events=True))
 
     def __enter__(self) -> "BackgroundLoad":
-        self._thread.start()
+        self._process.start()
+        while not self._sending.wait(0.1):
+            if not self._process.is_alive():
+                raise RuntimeError(f"the load process exited with {self._process.exitcode} before sending")
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def stop(self) -> LoadResult:
-        self._stopping.set()
-        self._thread.join()
-        assert self.result is not None
+        if self.result is None:
+            self._stopping.set()
+            self.result = self._results.get(timeout=300)  # before join: a full pipe blocks the child
+            self._process.join(timeout=30)
         return self.result
+
+
+def _background(arguments: tuple, sending: Any, stopping: Any, results: Any) -> None:
+    results.put(asyncio.run(_open(*arguments, stopping=stopping, sending=sending, keep_events=True)))
 
 
 def _check_loopback(url: str) -> None:
@@ -210,7 +227,8 @@ async def _open(
     duration_s: float,
     max_in_flight: int,
     seed: int,
-    stopping: threading.Event | None = None,
+    stopping: Any = None,  # an Event: stop sending once set
+    sending: Any = None,  # an Event: set as the first request is scheduled
     keep_events: bool = False,
 ) -> LoadResult:
     _check_loopback(url)
@@ -221,6 +239,8 @@ async def _open(
     in_flight: set[asyncio.Task] = set()
     async with _session(headers, max_in_flight) as session:
         cpu0, t0 = time.process_time(), time.perf_counter()
+        if sending is not None:
+            sending.set()
         for k, offset in enumerate(arrivals):
             if stopping is not None and stopping.is_set():
                 break
