@@ -15,7 +15,9 @@ included); a version transition (register 2.0, set it default, unregister 1.0). 
 * ``rows_per_min``: rows applied (visible to every worker: they map the same tables) per minute
   over the publishing stretches, first POST to last delta visible;
 * ``publish_to_visible_p50_s``, ``publish_to_visible_p99_s``: POST answered (the delta is in the
-  log) -> the applied sequence past it, polled every 100 ms;
+  log) -> the applied sequence past it, polled every 20 ms from the state file of the tables'
+  working copy (what ``GET /freshness`` reports as ``applied_sequence``; that call is answered by a
+  worker, and polling it would put the benchmark's own calls on the serving path);
 * ``serving_p99_ms_idle``, ``serving_p99_ms_during``, ``serving_p99_ratio``: the load's p99 over
   the idle stretches, and over the publishing stretches (each at least 2 s);
 * ``typical_second_p99_ms_idle``, ``typical_second_p99_ms_during``: the median over those seconds
@@ -63,8 +65,10 @@ from benchmarks.traffic import TrafficModel  # noqa: E402
 from handlers.modeling.factory import DLRMFactory  # noqa: E402
 from handlers.modeling.registry import load_spec  # noqa: E402
 from handlers.modeling.spec import ModelSpec  # noqa: E402
+from handlers.runtime.freshness.applier import AppliedState  # noqa: E402
 
-POLL_S = 0.1  # GET /freshness is answered by a worker: polled as an operator would, not in a loop
+POLL_S = 0.02
+STATE_POLL_S = 0.1
 MIN_WINDOW_S = 2.0  # the shortest stretch a p99 is taken over (the smoke's deltas apply in less)
 
 
@@ -134,6 +138,7 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
         progress = tqdm(total=len(deltas) + 2, desc=scenario.name, unit="step")
         with BackgroundLoad(url, auth, traffic, rate) as load:
             memory_before = _server_memory(server)
+            copy = Path(_state(server, name)["tables_file"]).parent  # the state beside the working copy
             sequence = 0
             for group in np.array_split(np.arange(len(deltas) - 1), scenario.rounds):
                 idle_start = time.perf_counter()
@@ -145,7 +150,7 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
                     marks["publish"].append(time.perf_counter())
                     _publish(server, name, deltas[index].name)
                     accepted = time.perf_counter()
-                    _wait(lambda: _state(server, name)["applied_sequence"] >= sequence)
+                    _wait(lambda: AppliedState.read(copy).sequence >= sequence)
                     visible_s.append(time.perf_counter() - accepted)
                     progress.update()
                 while time.perf_counter() < publishing_start + MIN_WINDOW_S:  # a p99 needs requests
@@ -157,7 +162,7 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
             marks["dense swap"] = [dense_at]
             _publish(server, name, deltas[-1].name)
             dense_accepted = time.perf_counter()
-            state = _wait(lambda: _dense_everywhere(server, name, len(deltas), scenario.workers))
+            state = _wait(lambda: _dense_everywhere(server, name, len(deltas), scenario.workers), STATE_POLL_S)
             dense = (dense_at, time.perf_counter())
             figures["dense_swap_s"] = dense[1] - dense_accepted
             figures["dense_swap_worker_s"] = max(w["dense_swap_s"] for w in state["workers"])
@@ -167,8 +172,8 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
             marks["rollback"] = [rollback_at]
             to = len(deltas) - scenario.rolled_back
             ok(server.management("POST", f"/freshness/{name}", params={"rollback_to": to}))
-            _wait(lambda: _state(server, name)["applied_sequence"] == to)
-            _wait(lambda: _dense_everywhere(server, name, 0, scenario.workers))
+            _wait(lambda: _state(server, name)["applied_sequence"] == to, STATE_POLL_S)
+            _wait(lambda: _dense_everywhere(server, name, 0, scenario.workers), STATE_POLL_S)
             rollback = (rollback_at, time.perf_counter())
             progress.update()
 
@@ -283,13 +288,15 @@ def _dense_everywhere(server: LocalTorchServe, name: str, sequence: int, workers
     return state if serving == [sequence] * workers else None
 
 
-def _wait(condition, timeout_s: float = 120.0):  # type: ignore[no-untyped-def]
+def _wait(condition, every_s: float = POLL_S, timeout_s: float = 120.0):  # type: ignore[no-untyped-def]
+    """``condition()`` once true; ``every_s``: how often it is asked (a ``GET /freshness`` is
+    answered by a worker: asked as an operator would, every ``STATE_POLL_S``)."""
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
         value = condition()
         if value:
             return value
-        time.sleep(POLL_S)
+        time.sleep(every_s)
     raise TimeoutError(f"not within {timeout_s}s")
 
 
