@@ -6,6 +6,7 @@ from __future__ import annotations
 import mmap
 import multiprocessing
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ def test_a_copy_is_kept_while_any_worker_holds_it_and_swept_after(archive, tmp_p
 def _serve(archive: Path, roots: tuple[Path, ...], ready) -> None:
     SharedTables.open(archive, archive / "weights.pt", "f" * 64, roots)
     ready.set()
-    multiprocessing.Event().wait()  # until killed
+    signal.pause()  # until killed
 
 
 def test_a_killed_worker_lets_go_of_its_copy(archive, tmp_path):
