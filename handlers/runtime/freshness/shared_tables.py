@@ -163,14 +163,14 @@ def _copy(source: Path, folder: Path) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Mapping:
+class FileMapping:
     start: int  # address
     end: int
     offset: int  # in the file
     shared: bool  # MAP_SHARED (the writer's) rather than private (a reader's)
 
 
-def mappings(path: Path) -> list[Mapping]:
+def mappings(path: Path) -> list[FileMapping]:
     """This process's mappings of the file ``path``."""
     target = str(Path(path).resolve())
     found = []
@@ -179,7 +179,7 @@ def mappings(path: Path) -> list[Mapping]:
             fields = line.split(maxsplit=5)
             if len(fields) == 6 and fields[5].strip() == target:
                 start, end = (int(x, 16) for x in fields[0].split("-"))
-                found.append(Mapping(start, end, int(fields[2], 16), shared=fields[1][3] == "s"))
+                found.append(FileMapping(start, end, int(fields[2], 16), shared=fields[1][3] == "s"))
     return found
 
 
@@ -196,9 +196,13 @@ def pin_in_memory(path: Path) -> int | str:
     for mapping in mappings(path):
         address, length = ctypes.c_void_p(mapping.start), ctypes.c_size_t(mapping.end - mapping.start)
         populate = _MADV_POPULATE_WRITE if mapping.shared else _MADV_POPULATE_READ
-        for call, arguments in (("madvise", (address, length, populate)), ("mlock2", (address, length, _MLOCK_ONFAULT))):
-            if getattr(libc, call)(*arguments) != 0:
-                why = errno.errorcode.get(ctypes.get_errno(), "?")
-                return f"{call} of {path} failed ({why}): raise the memlock limit (ulimit -l) to keep the tables mapped"
+        if libc.madvise(address, length, populate) != 0:
+            return f"madvise of {path} failed ({_errno()}): MADV_POPULATE_* needs Linux 5.14"
+        if libc.mlock2(address, length, _MLOCK_ONFAULT) != 0:
+            return f"mlock2 of {path} failed ({_errno()}): raise the memlock limit (ulimit -l) to keep the tables mapped"
         pinned += mapping.end - mapping.start
     return pinned
+
+
+def _errno() -> str:
+    return errno.errorcode.get(ctypes.get_errno(), "?")
