@@ -1,15 +1,16 @@
 """The freshness scenario: a served model kept fresh by deltas while it serves at half its measured
 max load, on the real TorchServe with the project's plugin.
 
-    make bench SCENARIO=freshness          # the Criteo 1TB row counts (6 GiB of tables), ~15 min
+    make bench SCENARIO=freshness          # the Criteo 1TB row counts (6 GiB of tables), ~11 min
     make bench SCENARIO=freshness-smoke    # tiny model, a minute (the test suite runs it)
 
 One open loop of one-item requests at 50% of the max load (``reliability.max_load``) runs from
-start to end; on it, in turn: ``rounds`` times an idle stretch then deltas of ``rows_per_delta``
-random rows (from rows files, through ``torchrec-serve delta``) published one after another, each
-as soon as the one before is visible (idle and publishing alternate so that whatever else slows
-the machine now and then falls on both alike); a delta of new dense weights only; a rollback of the last deltas (dense weights
-included); a version transition (register 2.0, set it default, unregister 1.0). Writes
+start to end, from a process of its own; on it, in turn: ``rounds`` times an idle stretch then
+deltas of ``rows_per_delta`` random rows (from rows files, through ``torchrec-serve delta``)
+published one after another, each as soon as the one before is visible (idle and publishing
+alternate so that whatever else slows the machine now and then falls on both alike); a delta of
+new dense weights only; a rollback of the last deltas (dense weights included); a version
+transition (register 2.0, set it default, unregister 1.0). Writes
 ``benchmarks/results/SCENARIO/freshness.json``:
 
 * ``rows_per_min``: rows applied (visible to every worker: they map the same tables) per minute
