@@ -40,7 +40,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/pip install --quiet --no-deps torchrec==1.8.0
 	$(BIN)/torchrec-serve --help > /dev/null
-	$(BIN)/python -c "from archive_tools.grpc_inference import messages; messages()"  # gRPC stubs compile
+	$(BIN)/python -c "from handlers.runtime.remote.grpc_stubs import messages; messages()"  # gRPC stubs compile
 	$(BIN)/python -c "import torch, torchrec, fbgemm_gpu, ts; print('torch', torch.__version__, 'torchrec', torchrec.__version__)"
 	touch $@
 

@@ -162,7 +162,7 @@ class _GrpcSender:
     def __init__(self, target: str) -> None:
         import grpc
 
-        from archive_tools.grpc_inference import inference_stub, messages
+        from handlers.runtime.remote.grpc_stubs import inference_stub, messages
 
         self._channel = grpc.insecure_channel(target)
         self._stub = inference_stub(self._channel)

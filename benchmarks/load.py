@@ -287,7 +287,7 @@ async def _closed_grpc(
 ) -> LoadResult:
     import grpc
 
-    from archive_tools.grpc_inference import inference_stub, messages
+    from handlers.runtime.remote.grpc_stubs import inference_stub, messages
 
     request_type = messages().PredictionsRequest
     requests = []

@@ -1,5 +1,6 @@
-"""TorchServe's gRPC inference API for this project's client: the stubs, compiled by grpcio-tools
-from ``archive_tools/protos/torchserve_inference.proto`` once per process, into a temporary folder.
+"""TorchServe's gRPC inference API, for the project's client and for a dense host calling its
+embedding shards: the stubs, compiled by grpcio-tools from ``torchserve_inference.proto`` (beside
+this module, so every archive carries it) once per process.
 
     stub = inference_stub(channel)
     answer = stub.Predictions(PredictionsRequest(model_name="criteo", input={"body": body}))
@@ -9,13 +10,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-PROTO = Path(__file__).resolve().parent / "protos" / "torchserve_inference.proto"
+PROTO = Path(__file__).resolve().parent / "torchserve_inference.proto"
 
 
 @functools.cache
@@ -49,3 +51,4 @@ def _compiled() -> tuple[ModuleType, ModuleType]:
         )
     finally:
         sys.path.remove(str(out))
+        shutil.rmtree(out, ignore_errors=True)  # imported: the modules live on without their files
