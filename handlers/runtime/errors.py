@@ -61,3 +61,18 @@ class InternalError(ServingError):
     """The model failed on input that passed validation: 500, logged with its traceback."""
 
     status = 500
+
+
+class ShardUnavailable(ServingError):
+    """No replica of an embedding shard answered within its deadline (``handlers.runtime.remote``):
+    503, naming the shard, how long it was tried and what each replica said."""
+
+    status = 503
+
+    def __init__(self, shard: str, waited_ms: float, errors: list[str]) -> None:
+        super().__init__(
+            f"embedding shard {shard!r} unavailable: no replica answered within {waited_ms:.0f} ms "
+            f"({'; '.join(errors)})",
+            "shard",
+        )
+        self.shard = shard

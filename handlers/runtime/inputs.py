@@ -54,6 +54,14 @@ class InputTag:
     broadcast: bool = False
 
 
+class Output(str, enum.Enum):
+    """What a model answers per item: a click score, or (an embedding shard of a distributed
+    layout, ``handlers.runtime.remote``) its features' pooled embeddings, flattened."""
+
+    SCORES = "scores"
+    EMBEDDINGS = "embeddings"
+
+
 class OutOfRangePolicy(str, enum.Enum):
     """What happens to an id outside ``[0, rows)``: a 400, or ``id mod rows``."""
 
@@ -86,7 +94,8 @@ class InputSchema:
     ``dense_features`` / ``context_features``: widths of the per-item and per-request float rows
     (0: no context); ``features``: the jagged input's features in model order; ``weighted_ids``: each
     id may carry a float weight; ``min_requests``: the fewest requests one forward takes (a graph
-    with TorchAO's int8 dynamic quantization takes 2; the service pads).
+    with TorchAO's int8 dynamic quantization takes 2; the service pads); ``output``: scores, or
+    for an embedding shard (ids only: no rows or context input) pooled embeddings.
     """
 
     model: str
@@ -98,10 +107,14 @@ class InputSchema:
     out_of_range: OutOfRangePolicy = OutOfRangePolicy.REJECT
     limits: Limits = Limits()
     min_requests: int = 1
+    output: Output = Output.SCORES
 
     def __post_init__(self) -> None:
         kinds = [t.kind for t in self.tags]
-        if kinds.count(BatchKind.ROWS) != 1 or kinds.count(BatchKind.JAGGED) != 1:
+        if self.output == Output.EMBEDDINGS:
+            if kinds != [BatchKind.JAGGED] or self.dense_features or self.context_features:
+                raise ValueError("inputs: an embedding shard takes one jagged input (ids) and nothing else")
+        elif kinds.count(BatchKind.ROWS) != 1 or kinds.count(BatchKind.JAGGED) != 1:
             raise ValueError(
                 "inputs: the request decoder takes exactly one rows input (items' dense features) "
                 f"and one jagged input (their ids), got {[k.value for k in kinds]}"
@@ -153,6 +166,7 @@ class InputSchema:
             out_of_range=OutOfRangePolicy(raw["out_of_range"]),
             limits=Limits(**raw["limits"]),
             min_requests=raw["min_requests"],
+            output=Output(raw.get("output", Output.SCORES.value)),
         )
 
     def save(self, path: Path) -> None:

@@ -19,8 +19,8 @@ import torch
 
 from handlers.runtime.artifacts import Runner
 from handlers.runtime.batching import chunk_by_items, coalesce, padding_request, split_outputs
-from handlers.runtime.errors import BadRequest, InternalError
-from handlers.runtime.inputs import InputSchema, JaggedIds, RequestInputs
+from handlers.runtime.errors import BadRequest, InternalError, ServingError
+from handlers.runtime.inputs import InputSchema, JaggedIds, Output, RequestInputs
 from handlers.runtime.wire.decoder import RequestDecoder
 from handlers.runtime.wire.messages import DecodedRequest, Rejected, Response
 
@@ -105,6 +105,12 @@ class ScoringService:
             forward_items.append(sum(requests[i].num_items for i in chunk))
             try:
                 logits = self.logits([requests[i] for i in chunk], watch)
+            except ServingError as error:  # e.g. a dense host's shard is down: 503 naming it
+                logger.debug("forward of %d requests answered %d: %s", len(chunk), error.status, error.message)
+                for i in chunk:
+                    index, request = decoded[i]
+                    responses[index] = request.encoder.error(error)
+                continue
             except Exception:  # the model failed on validated input: a bug, not the client's
                 logger.exception("forward failed for a chunk of %d requests", len(chunk))
                 for i in chunk:
@@ -114,7 +120,7 @@ class ScoringService:
             with watch("encode"):
                 for i, request_logits in zip(chunk, logits):
                     index, request = decoded[i]
-                    responses[index] = request.encoder.scores(request_logits)
+                    responses[index] = request.encoder.answer(request_logits)
         stats = BatchStats(
             stage_ms=watch.ms,
             forward_items=forward_items,
@@ -126,7 +132,8 @@ class ScoringService:
     def logits(
         self, requests: Sequence[RequestInputs], watch: _Stopwatch | None = None
     ) -> list[torch.Tensor]:
-        """One forward over all items of ``requests``; logits [n_k] per request."""
+        """One forward over all items of ``requests``; logits [n_k] per request (an embedding
+        shard's: embeddings [n_k, W])."""
         watch = watch or _Stopwatch()
         with watch("coalesce"):
             padded = list(requests)
@@ -143,6 +150,8 @@ class ScoringService:
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         with watch("forward"), torch.inference_mode():
-            output = self.model(batch).reshape(-1).cpu()
+            output = self.model(batch).cpu()
+        # scores: logits [N]; an embedding shard: each item's pooled embeddings as one row [N, W]
+        output = output.reshape(-1) if self.schema.output == Output.SCORES else output.flatten(1)
         counts = [r.num_items for r in requests]
         return split_outputs(output[: sum(counts)], counts)

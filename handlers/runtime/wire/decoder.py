@@ -10,7 +10,8 @@ answer), whatever the wire form. The body's keys say which form it is:
 The JSON forms also take ``"context": [C floats]`` once per request for a model with a context
 input, and ``"return_logits": true``. Anything else is refused with a ``BadRequest`` naming the
 field, e.g. ``items[2].sparse.cat_4[1]``, in the form's own error shape; so is a JSON key given
-twice in one object (parsers would keep the last silently).
+twice in one object (parsers would keep the last silently). An embedding shard (a schema whose
+output is ``embeddings``) is called by the dense host of its layout and takes v2 tensors only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from handlers.runtime.errors import BadRequest, ServingError
-from handlers.runtime.inputs import InputSchema, RequestInputs
+from handlers.runtime.inputs import InputSchema, Output, RequestInputs
 from handlers.runtime.validation import RequestChecks
 from handlers.runtime.wire.json_columnar import DENSE_KEY, ColumnarDecoder
 from handlers.runtime.wire.json_items import ItemsDecoder
@@ -47,9 +48,12 @@ class RequestDecoder:
     def __init__(self, schema: InputSchema, model_name: str | None = None) -> None:
         self.schema = schema
         checks = RequestChecks(schema)
+        self._v2 = V2Decoder(schema, checks, model_name or schema.model)
+        self._v2_only = schema.output == Output.EMBEDDINGS
+        if self._v2_only:
+            return
         self._items = ItemsDecoder(schema, checks)
         self._columnar = ColumnarDecoder(schema, checks)
-        self._v2 = V2Decoder(schema, checks, model_name or schema.model)
         shared = {RETURN_LOGITS_KEY} | ({CONTEXT_KEY} if schema.context else set())
         self._items_keys = frozenset({"items"} | shared)
         self._columnar_keys = self._columnar.keys | shared
@@ -74,6 +78,11 @@ class RequestDecoder:
                 return decoded
             if binary is not None:
                 raise BadRequest(V2_KEY, "a body with binary tensors is a KServe v2 request", "missing_field")
+            if self._v2_only:
+                raise BadRequest(
+                    V2_KEY, "required: an embedding shard takes KServe v2 tensors (ids in, embeddings out)",
+                    "missing_field",
+                )
             decoded = self._decode_json(body)
             refuse_duplicate_keys(payload, self._items.key_count(body) if "items" in body else len(body))
             return decoded

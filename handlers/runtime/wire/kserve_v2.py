@@ -15,7 +15,9 @@ The model's inputs are named tensors, laid out as the batch tags lay them out (`
      "outputs": [{"name": "scores"}, {"name": "logits"}]}   # optional; default: scores
 
 ``weights`` only for a model with weighted ids (optional: 1), ``context_features`` only for a model
-with a context input. JSON ``data`` is row-major, flat or nested.
+with a context input. JSON ``data`` is row-major, flat or nested. An embedding shard of a
+distributed layout takes only the ids and answers ``embeddings``, FP32 [n, W]: each item's pooled
+embeddings, feature after feature.
 
 **Binary tensors** (the v2 binary extension, what Triton's clients send by default): the body is
 the JSON header followed by the tensors' bytes, little-endian, row-major; the header's length
@@ -45,7 +47,7 @@ import orjson
 import torch
 
 from handlers.runtime.errors import BadRequest, ServingError
-from handlers.runtime.inputs import InputSchema, RequestInputs
+from handlers.runtime.inputs import InputSchema, Output, RequestInputs
 from handlers.runtime.validation import RequestChecks, bag_position
 from handlers.runtime.wire.json_values import finite_float32s, int_array, json_type, reject_unknown
 from handlers.runtime.wire.messages import DecodedRequest, DecodedRows, Response
@@ -59,6 +61,7 @@ INT_TYPES = {
     "UINT8": "u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8",
 }
 OUTPUTS = ("scores", "logits")
+EMBEDDINGS = "embeddings"  # an embedding shard's only output
 _REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
 _TENSOR_KEYS = frozenset({"name", "shape", "datatype", "parameters", "data"})
 _OUTPUT_KEYS = frozenset({"name", "parameters"})
@@ -66,28 +69,33 @@ _OUTPUT_KEYS = frozenset({"name", "parameters"})
 
 @dataclasses.dataclass(frozen=True)
 class V2Encoder:
-    """Answers in the v2 form: each requested output an FP32 tensor of shape [n], as JSON data or,
-    for those in ``binary``, as bytes after the JSON header."""
+    """Answers in the v2 form: each requested output an FP32 tensor ([n] scores or logits, or an
+    embedding shard's [n, W]), as JSON data or, for those in ``binary``, as bytes after the JSON
+    header."""
 
     model_name: str
     request_id: str | None = None
     outputs: tuple[str, ...] = ("scores",)
     binary: frozenset[str] = frozenset()
 
-    def scores(self, logits: torch.Tensor) -> Response:
-        values = {"scores": torch.sigmoid(logits), "logits": logits}
+    def answer(self, output: torch.Tensor) -> Response:
+        if self.outputs == (EMBEDDINGS,):
+            values = {EMBEDDINGS: output}
+        else:
+            values = {"scores": torch.sigmoid(output), "logits": output}
         header: dict[str, Any] = {"model_name": self.model_name}
         if self.request_id is not None:
             header["id"] = self.request_id
         tensors, blobs = [], []
         for name in self.outputs:
-            tensor: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": [len(logits)]}
+            value = values[name]
+            tensor: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": list(value.shape)}
             if name in self.binary:
-                blob = values[name].numpy().astype("<f4", copy=False).tobytes()
+                blob = value.numpy().astype("<f4", copy=False).tobytes()
                 tensor["parameters"] = {"binary_data_size": len(blob)}
                 blobs.append(blob)
             else:
-                tensor["data"] = values[name].tolist()
+                tensor["data"] = value.reshape(-1).tolist()
             tensors.append(tensor)
         header["outputs"] = tensors
         body = orjson.dumps(header)
@@ -119,8 +127,10 @@ class V2Decoder:
         self.checks = checks
         self.model_name = model_name
         jagged = schema.jagged.name
+        self.embeddings = schema.output == Output.EMBEDDINGS
+        self.default_output = EMBEDDINGS if self.embeddings else "scores"
         self.names = {
-            "dense": schema.rows.name,
+            "dense": None if self.embeddings else schema.rows.name,
             "lengths": f"{jagged}.lengths",
             "values": f"{jagged}.values",
             "weights": f"{jagged}.weights",
@@ -132,7 +142,9 @@ class V2Decoder:
     def encoder(self, body: dict) -> V2Encoder:
         """How to answer ``body``, as far as it can be read (errors need no more than this)."""
         request_id = body.get("id")
-        return V2Encoder(self.model_name, request_id if isinstance(request_id, str) else None)
+        return V2Encoder(
+            self.model_name, request_id if isinstance(request_id, str) else None, (self.default_output,)
+        )
 
     def decode(self, body: dict, binary: memoryview | None = None) -> DecodedRequest:
         reject_unknown(body, _REQUEST_KEYS, "")
@@ -142,7 +154,9 @@ class V2Decoder:
         parameters = _parameters(body, "parameters")
         tensors = self._tensors(body.get("inputs"), binary)
         rows = self._rows(tensors)
-        inputs: dict[str, Any] = {self.schema.rows.name: rows.dense, self.schema.jagged.name: rows.ids}
+        inputs: dict[str, Any] = {self.schema.jagged.name: rows.ids}
+        if not self.embeddings:
+            inputs[self.schema.rows.name] = rows.dense
         if self.schema.context is not None:
             context = self._array(tensors, "context", FLOAT_TYPES, (1, self.schema.context_features))
             inputs[self.schema.context.name] = torch.from_numpy(context)
@@ -221,10 +235,17 @@ class V2Decoder:
         return tensors
 
     def _rows(self, tensors: dict[str, _Tensor]) -> DecodedRows:
-        dense = self._array(tensors, "dense", FLOAT_TYPES, (None, self.schema.dense_features))
-        num_items = dense.shape[0]
-        self.checks.item_count(tensors[self.names["dense"]].field, num_items)
-        lengths = self._array(tensors, "lengths", INT_TYPES, (len(self.schema.features), num_items))
+        num_features = len(self.schema.features)
+        if self.embeddings:  # ids only: the lengths [F, n] say how many items
+            lengths = self._array(tensors, "lengths", INT_TYPES, (num_features, None), items_axis=1)
+            num_items = lengths.shape[1]
+            self.checks.item_count(tensors[self.names["lengths"]].field, num_items)
+            dense = np.zeros((num_items, 0), dtype=np.float32)
+        else:
+            dense = self._array(tensors, "dense", FLOAT_TYPES, (None, self.schema.dense_features))
+            num_items = dense.shape[0]
+            self.checks.item_count(tensors[self.names["dense"]].field, num_items)
+            lengths = self._array(tensors, "lengths", INT_TYPES, (num_features, num_items))
         if (lengths < 0).any():
             raise BadRequest(tensors[self.names["lengths"]].field, "lengths must be >= 0")
         values = tensors[self.names["values"]]
@@ -255,16 +276,17 @@ class V2Decoder:
         datatypes: dict[str, str],
         expected: tuple[int | None, ...],
         locate: Any = None,
+        items_axis: int = 0,
     ) -> np.ndarray:
         """The tensor as float32 (``FLOAT_TYPES``) or int64 (``INT_TYPES``) of its declared shape,
-        checked against ``expected`` (None: any size, at least one)."""
+        checked against ``expected`` (None: any size; on ``items_axis``, at least one)."""
         tensor = tensors[self.names[key]]
         field = tensor.field
         floats = datatypes is FLOAT_TYPES
         allowed = {**FLOAT_TYPES, **INT_TYPES} if floats else INT_TYPES  # ints are numbers too
         if tensor.datatype not in allowed:
             raise BadRequest(f"{field}.datatype", f"must be one of {sorted(allowed)}, got {tensor.datatype!r}")
-        shape = _shape(field, tensor.shape, expected)
+        shape = _shape(field, tensor.shape, expected, items_axis)
         count = math.prod(shape)
         locate = locate or (lambda k: f"{field}.data[{k}]")
         if tensor.raw is None:
@@ -296,8 +318,10 @@ class V2Decoder:
     def _outputs(self, raw: Any, all_binary: Any) -> tuple[tuple[str, ...], frozenset[str]]:
         if all_binary is not None and not isinstance(all_binary, bool):
             raise BadRequest("parameters.binary_data_output", f"must be true or false, got {all_binary!r}")
+        allowed = (EMBEDDINGS,) if self.embeddings else OUTPUTS
         if raw is None:
-            return ("scores",), frozenset({"scores"} if all_binary else ())
+            default = self.default_output
+            return (default,), frozenset({default} if all_binary else ())
         if not isinstance(raw, list) or not raw:
             raise BadRequest("outputs", "must be a non-empty list of {\"name\": ...}")
         names, binary = [], set()
@@ -306,8 +330,8 @@ class V2Decoder:
                 raise BadRequest(f"outputs[{i}]", f"must be an object, got {json_type(output)}")
             reject_unknown(output, _OUTPUT_KEYS, f"outputs[{i}].")
             name = output.get("name")
-            if name not in OUTPUTS:
-                raise BadRequest(f"outputs[{i}].name", f"must be one of {list(OUTPUTS)}, got {name!r}")
+            if name not in allowed:
+                raise BadRequest(f"outputs[{i}].name", f"must be one of {list(allowed)}, got {name!r}")
             wants = _parameters(output, f"outputs[{i}].parameters").get("binary_data", all_binary)
             if wants is not None and not isinstance(wants, bool):
                 raise BadRequest(f"outputs[{i}].parameters.binary_data", f"must be true or false, got {wants!r}")
@@ -324,14 +348,15 @@ def _parameters(obj: dict, field: str) -> dict:
     return parameters
 
 
-def _shape(field: str, shape: Any, expected: tuple[int | None, ...]) -> tuple[int, ...]:
-    """The declared shape, checked against ``expected`` (None: any size, at least one)."""
+def _shape(field: str, shape: Any, expected: tuple[int | None, ...], items_axis: int = 0) -> tuple[int, ...]:
+    """The declared shape, checked against ``expected`` (None: any size; on ``items_axis``, the
+    items, at least one)."""
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise BadRequest(f"{field}.shape", f"must be a list of sizes, got {shape!r}")
     if len(shape) != len(expected) or any(e is not None and d != e for d, e in zip(shape, expected)):
         wanted = "[" + ", ".join("n" if e is None else str(e) for e in expected) + "]"
         raise BadRequest(f"{field}.shape", f"must be {wanted}, got {shape}")
-    if expected[0] is None and shape[0] == 0:
+    if expected[items_axis] is None and shape[items_axis] == 0:
         raise BadRequest(f"{field}.shape", "must hold at least one item")
     return tuple(shape)
 

@@ -3,7 +3,7 @@ form answers in its own shape (the project's JSON, TorchServe's DLRM example, th
 protocol), for scores and for errors alike.
 
     decoded = decoder.decode(body)             # DecodedRequest, or raises Rejected
-    response = decoded.encoder.scores(logits)  # Response(200, b'{"scores": [...]}')
+    response = decoded.encoder.answer(logits)  # Response(200, b'{"scores": [...]}')
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class BinaryBody:
 
 
 class Encoder(Protocol):
-    def scores(self, logits: torch.Tensor) -> Response:
-        """The answer for one request's logits [n]."""
+    def answer(self, output: torch.Tensor) -> Response:
+        """The answer for one request's output: logits [n], or an embedding shard's rows [n, W]."""
 
     def error(self, error: ServingError) -> Response:
         """The answer when the request fails."""
@@ -56,7 +56,7 @@ class JsonEncoder:
     return_logits: bool = False
     default: bool = False
 
-    def scores(self, logits: torch.Tensor) -> Response:
+    def answer(self, logits: torch.Tensor) -> Response:
         values = logits.tolist()
         body: dict[str, list[float]] = {"scores": torch.sigmoid(logits).tolist()}
         if self.return_logits:

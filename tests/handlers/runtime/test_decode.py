@@ -287,7 +287,7 @@ def test_v2_request_decodes_like_the_items_form(tiny_spec):
     ))
     for name in (DENSE_INPUT, SPARSE_INPUT):
         assert str(v2.inputs.tensors[name]) == str(items.inputs.tensors[name])
-    answer = orjson.loads(v2.encoder.scores(torch.tensor([0.0, 1.0])).body)
+    answer = orjson.loads(v2.encoder.answer(torch.tensor([0.0, 1.0])).body)
     assert answer["id"] == "req-1" and answer["model_name"] == "tiny"
     assert answer["outputs"] == [
         {"name": "scores", "datatype": "FP32", "shape": [2], "data": [0.5, pytest.approx(0.7310586)]}
@@ -296,7 +296,7 @@ def test_v2_request_decodes_like_the_items_form(tiny_spec):
 
 def test_v2_outputs_may_ask_for_logits(tiny_spec):
     body = _v2([[1, 2, 3, 4]], [[0]] * 5, [], outputs=[{"name": "logits"}, {"name": "scores"}])
-    answer = orjson.loads(_decode(tiny_spec, body).encoder.scores(torch.tensor([2.0])).body)
+    answer = orjson.loads(_decode(tiny_spec, body).encoder.answer(torch.tensor([2.0])).body)
     assert [o["name"] for o in answer["outputs"]] == ["logits", "scores"]
     assert answer["outputs"][0]["data"] == [2.0]
 
@@ -367,7 +367,7 @@ def test_binary_tensors_decode_like_json_and_answer_in_binary(tiny_spec):
     binary = _decode_binary(tiny_spec, _binary(dense, lengths, values))
     for name in (DENSE_INPUT, SPARSE_INPUT):
         assert str(binary.inputs.tensors[name]) == str(json_form.inputs.tensors[name])
-    response = binary.encoder.scores(torch.tensor([0.0, 2.0]))
+    response = binary.encoder.answer(torch.tensor([0.0, 2.0]))
     assert response.content_type == "application/octet-stream"
     outputs = decode_response(response.body, int(response.headers["Inference-Header-Content-Length"]))
     assert outputs["scores"].tolist() == pytest.approx([0.5, 0.8807971])
