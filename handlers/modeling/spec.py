@@ -87,6 +87,11 @@ class TableSpec(_Section):
         WeightDtype.INT8, description="served dtype (FBGEMM row-wise quantization for int8/int4)"
     )
     sharding: ShardingType = Field(ShardingType.AUTO, description="TorchRec inference sharding")
+    shard: Name | None = Field(
+        None,
+        description="distributed serving: the embedding shard (its own TorchServe hosts) that "
+        "serves this table; give every table one, or none",
+    )
 
     @model_validator(mode="after")
     def _servable(self) -> "TableSpec":
@@ -214,6 +219,12 @@ class ModelSpec(_Section):
                     f"1.8 inference sharding cannot shard {t.weight_dtype.value} tables), got "
                     f"{t.weight_dtype.value}"
                 )
+        placed = [t.shard is not None for t in self.tables]
+        if any(placed) and not all(placed):
+            i = placed.index(False)
+            raise ValueError(
+                f"tables[{i}].shard: missing; once one table names its shard, every table must"
+            )
         for name in self.dense_precision:
             if name not in self.DENSE_SUBMODULES:
                 raise ValueError(
@@ -238,6 +249,20 @@ class ModelSpec(_Section):
     def feature_rows(self) -> tuple[int, ...]:
         """Row count of the table behind each feature, aligned with ``feature_names``."""
         return tuple(t.rows for t in self.tables for _ in t.features)
+
+    @property
+    def shards(self) -> dict[str, tuple[TableSpec, ...]]:
+        """Shard name -> its tables, in model order (empty: the model is served on one host)."""
+        shards: dict[str, list[TableSpec]] = {}
+        for t in self.tables:
+            if t.shard is not None:
+                shards.setdefault(t.shard, []).append(t)
+        return {name: tuple(tables) for name, tables in shards.items()}
+
+    def shard_spec(self, shard: str) -> "ModelSpec":
+        """The spec of one shard's lookups: its tables only, named ``<model>-<shard>``."""
+        tables = self.shards[shard]
+        return self.replace(name=f"{self.name}-{shard}", tables=tables)
 
     @property
     def min_requests(self) -> int:
