@@ -49,6 +49,7 @@ from handlers.modeling.weights import InferenceWeights
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.inputs import INPUTS_FILE
 from handlers.runtime.options import HandlerOptions
+from handlers.runtime.remote.plan import RemotePlan
 from handlers.runtime.split import SplitPlan
 
 HANDLERS_DIR = Path(handlers.__file__).resolve().parent  # the package every archive carries
@@ -75,7 +76,9 @@ class ServingConfig:
     # How fast a published delta's rows are written into the served tables (handlers.runtime.freshness).
     delta_rows_per_s: float = 200_000.0
 
-    def model_config(self, artifact: Artifact, weights_bytes: int, split: SplitPlan | None) -> dict:
+    def model_config(
+        self, artifact: Artifact, weights_bytes: int, split: SplitPlan | None, remote: RemotePlan | None = None
+    ) -> dict:
         # Loading is dominated by reading the weights: allow a minute plus 30 s per GB.
         startup_timeout_s = 60 + int(30 * weights_bytes / 2**30)
         return {
@@ -86,7 +89,7 @@ class ServingConfig:
             "responseTimeout": self.response_timeout_s,
             "startupTimeout": startup_timeout_s,
             "handler": HandlerOptions(
-                artifact, split, self.intra_op_threads, self.parallel_from_items, self.metrics_flush_s
+                artifact, split, self.intra_op_threads, self.parallel_from_items, self.metrics_flush_s, remote
             ).to_mapping(),
             "guard": {"max_queue_wait_ms": self.max_queue_wait_ms, "hang_after_ms": self.hang_after_ms},
             "freshness": {"rows_per_s": self.delta_rows_per_s},
@@ -132,7 +135,7 @@ def build_archive(
         spec = load_spec(spec_path)
         name = name or spec.name
         if archive_format == "no-archive":
-            _check_replaceable(model_store / name)  # before minutes of building, not after
+            check_replaceable(model_store / name)  # before minutes of building, not after
         if artifact != Artifact.EAGER:
             check_capturable(spec)
         factory = DLRMFactory(spec)
@@ -140,25 +143,11 @@ def build_archive(
             tqdm.write(line, file=sys.stderr)
         stages.update()
 
-        if quantized_init:
-            stages.set_postfix_str("random quantized tables")
-            weights, reference = factory.random_weights(seed), None
-            stages.update(2)
-        else:
-            stages.set_postfix_str("float model")
-            reference = factory.float_model(seed=seed)
-            if checkpoint is not None:
-                note = factory.load_checkpoint(reference, read_checkpoint(checkpoint))
-                if note:
-                    tqdm.write(f"checkpoint {checkpoint}: {note}", file=sys.stderr)
-            stages.update()
-            stages.set_postfix_str("quantize")
-            weights = factory.quantize(reference)
-            stages.update()
+        weights, reference = served_weights(factory, checkpoint, seed, quantized_init, stages)
 
         with tempfile.TemporaryDirectory(prefix=f"{name}-archive-") as tmp:
             staging = Path(tmp) / "extra"
-            _stage(staging, spec, factory, weights)
+            stage_files(staging, spec, factory, weights)
             del weights  # a file-backed copy exists now; the reference model keeps what it needs
             if reference is None:  # the tables as saved, mapped: page cache, not a copy
                 reference = factory.inference_model(factory.load_weights(staging / "weights.pt"))
@@ -202,7 +191,7 @@ def build_archive(
             stages.update()
 
             stages.set_postfix_str("torch-model-archiver")
-            archive = _package(staging, config_path, name, version, model_store, archive_format)
+            archive = package_archive(staging, config_path, name, version, model_store, archive_format)
             stages.update()
     size = sum(f.stat().st_size for f in archive.rglob("*")) if archive.is_dir() else archive.stat().st_size
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
@@ -215,7 +204,29 @@ def build_archive(
     return archive
 
 
-def _stage(staging: Path, spec: ModelSpec, factory: DLRMFactory, weights: InferenceWeights) -> None:
+def served_weights(
+    factory: DLRMFactory, checkpoint: Path | None, seed: int, quantized_init: bool, stages: tqdm
+) -> tuple[InferenceWeights, torch.nn.Module | None]:
+    """The served tables and dense weights, and the float model they came from (None for
+    ``quantized_init``: seeded random tables made in their served dtypes). Two stages."""
+    if quantized_init:
+        stages.set_postfix_str("random quantized tables")
+        stages.update(2)
+        return factory.random_weights(seed), None
+    stages.set_postfix_str("float model")
+    reference = factory.float_model(seed=seed)
+    if checkpoint is not None:
+        note = factory.load_checkpoint(reference, read_checkpoint(checkpoint))
+        if note:
+            tqdm.write(f"checkpoint {checkpoint}: {note}", file=sys.stderr)
+    stages.update()
+    stages.set_postfix_str("quantize")
+    weights = factory.quantize(reference)
+    stages.update()
+    return weights, reference
+
+
+def stage_files(staging: Path, spec: ModelSpec, factory: DLRMFactory, weights: InferenceWeights) -> None:
     """The archive's extra files: the handlers package, the spec, its inputs, the weights."""
     shutil.copytree(HANDLERS_DIR, staging / "handlers", ignore=shutil.ignore_patterns("__pycache__"))
     spec.to_yaml(staging / SPEC_FILE)
@@ -224,7 +235,7 @@ def _stage(staging: Path, spec: ModelSpec, factory: DLRMFactory, weights: Infere
     factory.tables_layout(staging / "weights.pt").save(staging)  # where deltas write, and the base
 
 
-def _package(
+def package_archive(
     staging: Path, config_path: Path, name: str, version: str, model_store: Path, archive_format: str
 ) -> Path:
     """``torch-model-archiver`` over the staged files: ``NAME.mar``, or the folder ``NAME/``."""
@@ -267,7 +278,7 @@ def _verifiable(split: SplitPlan | None) -> SplitPlan | None:
     return dataclasses.replace(split, dense_device="cpu")
 
 
-def _check_replaceable(folder: Path) -> None:
+def check_replaceable(folder: Path) -> None:
     """Only an archive folder (with ``MAR-INF``) may be replaced by an unzipped build."""
     if folder.exists() and not (folder / "MAR-INF").is_dir():
         raise FileExistsError(f"{folder} exists and is not an archive folder; not replacing it")
@@ -276,6 +287,6 @@ def _check_replaceable(folder: Path) -> None:
 def _clear_archive_folder(folder: Path) -> None:
     """An earlier unzipped archive of the same name is replaced whole: the archiver would keep its
     files, and a stale ``weights.pt`` of another artifact would ride along."""
-    _check_replaceable(folder)
+    check_replaceable(folder)
     if folder.exists():
         shutil.rmtree(folder)

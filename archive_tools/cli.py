@@ -1,6 +1,8 @@
 """``torchrec-serve``: the project's commands.
 
     torchrec-serve build --spec criteo --artifact aoti       # a .mar in model_store/
+    torchrec-serve build --spec criteo_1tb --artifact distributed   # shard archives + a dense one
+    torchrec-serve launch layout.yaml                         # a distributed layout, one TorchServe per host
     torchrec-serve verify model_store/criteo.mar --seed 0     # an archive against its float model
     torchrec-serve serve model_store/criteo.mar               # TorchServe with our config, until Ctrl-C
     torchrec-serve delta model_store/criteo.mar --checkpoint trained-2.pt --sequence 1
@@ -15,6 +17,7 @@ with a code per kind of failure, so scripts can tell them apart: see ``EXIT_CODE
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +33,8 @@ from archive_tools.build import (
     build_archive,
 )
 from archive_tools.delta import DeltaSource, make_delta, verify_delta
+from archive_tools.distributed import build_distributed
+from archive_tools.launcher import LayoutFile, LocalLayout
 from archive_tools.local_server import LocalTorchServe, PortTaken, ServerDied
 from archive_tools.resources import spec_path
 from archive_tools.validation_data import ValidationDataError, read_validation
@@ -42,6 +47,10 @@ from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.split import DENSE_ARTIFACTS, DEVICES, SPARSE_ARTIFACTS, SplitPlan
+
+# What --artifact builds as one archive; ``distributed`` builds a layout's (archive_tools.distributed).
+BUILT_ALONE = (Artifact.EAGER, Artifact.EXPORTED, Artifact.AOTI, Artifact.SPLIT)
+DISTRIBUTED = "distributed"
 
 # Exit codes, one per kind of failure (2 is also argparse's, for a bad command line).
 EXIT_CODES = {
@@ -78,6 +87,38 @@ def main(argv: list[str] | None = None) -> int:
 def _build(args: argparse.Namespace) -> int:
     if args.init == "quantized" and args.checkpoint is not None:
         raise ValueError("--init quantized makes random tables; it does not read --checkpoint")
+    serving = ServingConfig(
+        batch_size=args.batch_size,
+        max_batch_delay_ms=args.max_batch_delay,
+        workers=args.workers,
+        intra_op_threads=args.intra_op_threads,
+        parallel_from_items=args.parallel_from_items,
+        metrics_flush_s=args.metrics_flush,
+        max_queue_wait_ms=args.max_queue_wait_ms,
+        hang_after_ms=args.hang_after_ms,
+        delta_rows_per_s=args.delta_rows_per_s,
+    )
+    if args.artifact == DISTRIBUTED:
+        if args.sparse is not None or args.dense_device is not None:
+            raise ValueError(
+                "--sparse/--dense-device: a distributed layout's shards serve eager lookups, its "
+                "dense part runs on cpu"
+            )
+        build_distributed(
+            spec_path(args.spec),
+            checkpoint=args.checkpoint,
+            seed=args.seed,
+            name=args.name,
+            version=args.version,
+            model_store=args.model_store,
+            serving=serving,
+            dense=Artifact(args.dense or Artifact.AOTI.value),
+            bounds=_bounds(args),
+            validation=args.validation,
+            quantized_init=args.init == "quantized",
+            archive_format=args.archive_format,
+        )
+        return 0
     artifact = Artifact(args.artifact)
     split_options = {"sparse": args.sparse, "dense": args.dense, "dense_device": args.dense_device}
     given = {k: v for k, v in split_options.items() if v is not None}
@@ -90,17 +131,7 @@ def _build(args: argparse.Namespace) -> int:
         name=args.name,
         version=args.version,
         model_store=args.model_store,
-        serving=ServingConfig(
-            batch_size=args.batch_size,
-            max_batch_delay_ms=args.max_batch_delay,
-            workers=args.workers,
-            intra_op_threads=args.intra_op_threads,
-            parallel_from_items=args.parallel_from_items,
-            metrics_flush_s=args.metrics_flush,
-            max_queue_wait_ms=args.max_queue_wait_ms,
-            hang_after_ms=args.hang_after_ms,
-            delta_rows_per_s=args.delta_rows_per_s,
-        ),
+        serving=serving,
         bounds=_bounds(args),
         validation=args.validation,
         quantized_init=args.init == "quantized",
@@ -198,6 +229,20 @@ def _serve(args: argparse.Namespace) -> int:
             time.sleep(1.0)
 
 
+def _launch(args: argparse.Namespace) -> int:
+    """A distributed layout on this machine: every host started and registered; until Ctrl-C (or
+    SIGTERM: every host is stopped either way)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with LocalLayout(LayoutFile.read(args.layout)) as layout:
+        for line in layout.describe():
+            print(line)
+        print("serving; Ctrl-C stops every host")
+        while True:
+            for server in layout.dense + [s for servers in layout.shards.values() for s in servers]:
+                server.check_alive()
+            time.sleep(1.0)
+
+
 def _bench(args: argparse.Namespace) -> int:
     """The benchmark package runs on top of this one (it builds archives with it), so it runs as
     a process of its own: ``python -m benchmarks``."""
@@ -231,6 +276,7 @@ def _parser() -> argparse.ArgumentParser:
     _command(commands, "build", _build, "build a .mar (or archive folder) from a spec", _build_args)
     _command(commands, "verify", _verify, "check an archive against its float model", _verify_args)
     _command(commands, "serve", _serve, "run TorchServe with the project's config", _serve_args)
+    _command(commands, "launch", _launch, "start a distributed layout here, one TorchServe per host", _launch_args)
     _command(commands, "delta", _delta, "write a delta of changed table rows for a served archive", _delta_args)
     _command(commands, "bench", _bench, "run a benchmark scenario", _bench_args)
     _command(commands, "spec-docs", _spec_docs, "regenerate spec.schema.json and SPEC.md", None)
@@ -272,11 +318,12 @@ def _build_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--artifact",
-        choices=[a.value for a in Artifact],
+        choices=[a.value for a in BUILT_ALONE] + [DISTRIBUTED],
         default=Artifact.EAGER.value,
         help="what the archive serves: aoti (AOTInductor package), exported (torch.export program), "
-        "eager (TorchRec modules on memory-mapped weights) or split (a sparse and a dense part, "
-        "see --sparse / --dense)",
+        "eager (TorchRec modules on memory-mapped weights), split (a sparse and a dense part, "
+        "see --sparse / --dense), or distributed (an archive per embedding shard named by the "
+        "spec's tables[].shard, and a dense archive calling them: NAME-<shard>, NAME-dense)",
     )
     defaults = SplitPlan()
     parser.add_argument(
@@ -288,7 +335,7 @@ def _build_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dense",
         choices=[a.value for a in DENSE_ARTIFACTS],
-        help=f"split: the dense layers as (default {defaults.dense.value})",
+        help=f"split, distributed: the dense layers as (default {defaults.dense.value})",
     )
     parser.add_argument(
         "--dense-device",
@@ -406,6 +453,10 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--free-ports", action="store_true", help="listen on free ports, not the config's"
     )
+
+
+def _launch_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("layout", type=Path, help="layout file: model_store, dense and shards (archive, hosts)")
 
 
 def _bench_args(parser: argparse.ArgumentParser) -> None:

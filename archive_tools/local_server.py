@@ -99,6 +99,7 @@ class LocalTorchServe:
         keep_logs: Path | None = None,
         free_ports: bool = True,
         settings: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.model_store = Path(model_store).resolve()
         self.base_config = config or config_dir() / "config.properties"
@@ -110,6 +111,7 @@ class LocalTorchServe:
             else _configured_ports(self.base_config)
         )
         self.settings = dict(settings or {})
+        self.env = dict(env or {})  # added to the server's environment (its workers inherit it)
         self.workdir = Path(tempfile.mkdtemp(prefix="torchserve-"))
         self.process: subprocess.Popen | None = None
         self._log: BinaryIO | None = None
@@ -125,10 +127,13 @@ class LocalTorchServe:
         self.stop()
 
     def start(self) -> None:
+        """Starts the server and waits until it is healthy; after ``stop()`` it starts again on
+        the same ports (a restarted host)."""
+        self.workdir.mkdir(exist_ok=True)
         config_path = self.workdir / "config.properties"
         config_path.write_text(self._config_text())
         (self.workdir / "tmp").mkdir()
-        env = dict(os.environ)
+        env = {**os.environ, **self.env}
         env["TMPDIR"] = str(self.workdir / "tmp")  # the launcher's pid file lives there
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["LOG_LOCATION"] = str(self.workdir / "logs")

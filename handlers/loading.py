@@ -1,24 +1,31 @@
 """Loading what an archive folder serves, as a worker does: the runtime's ``ScoringService`` over
 the runner of the artifact that the archive's ``handler`` options name.
 
-Graph artifacts (``aoti``, ``exported``, a split of those) load with the runtime alone: torch, the
-FBGEMM operators and ``handlers.runtime``. Only artifacts that run TorchRec modules (``eager``, or
-a split with eager lookups) import ``handlers.modeling``, and with it TorchRec and TorchAO, so a
-graph worker never pays for them.
+Graph artifacts (``aoti``, ``exported``, a split of those, a dense host's ``remote``) load with the
+runtime alone: torch, the FBGEMM operators and ``handlers.runtime``. Only artifacts that run
+TorchRec modules (``eager``, a split with eager lookups, an embedding shard's ``lookups``) import
+``handlers.modeling``, and with it TorchRec and TorchAO, so a graph worker never pays for them.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Sequence
 
 from handlers.runtime.artifacts import Artifact, GraphModel, Runner
 from handlers.runtime.device import worker_device
 from handlers.runtime.inputs import INPUTS_FILE, InputSchema
 from handlers.runtime.options import HandlerOptions
+from handlers.runtime.remote.lookups import Shard, ShardCaller, ShardedLookups
+from handlers.runtime.remote.plan import RemotePlan, read_placement
 from handlers.runtime.service import ScoringService
 from handlers.runtime.split import SplitModel, dense_tags, sparse_tags
 
+logger = logging.getLogger(__name__)
+
 SPEC_FILE = "spec.yaml"
+SHARD_CONNECT_S = 10.0  # how long a dense host's worker start waits for each shard's replicas
 
 
 def load_service(
@@ -47,6 +54,17 @@ def load_runner(
 ) -> Runner:
     if options.artifact == Artifact.EAGER:
         return _eager_model(model_dir, gpu_id, tables_file)
+    if options.artifact == Artifact.LOOKUPS:  # an embedding shard
+        return _eager_lookups(model_dir, tables_file)
+    if options.artifact == Artifact.REMOTE:  # a dense host: its shards where the placement says
+        assert options.remote is not None  # HandlerOptions pairs a remote artifact with its plan
+        plan = options.remote.placed(read_placement())
+        callers = [ShardCaller(r, plan.deadline) for r in plan.shards]
+        for caller in callers:
+            missing = caller.connect(timeout_s=SHARD_CONNECT_S)
+            if missing:
+                logger.warning("shard %s: no connection yet to %s", caller.route.name, ", ".join(missing))
+        return dense_host_model(model_dir, schema, plan, callers)
     if options.artifact != Artifact.SPLIT:
         return GraphModel(model_dir / options.artifact.file_name(), options.artifact, schema.tags, weights=tables_file)
     plan = options.split
@@ -62,6 +80,14 @@ def load_runner(
     else:
         sparse = GraphModel(model_dir / plan.sparse_file, plan.sparse, sparse_tags(schema.tags), weights=tables_file)
     return SplitModel(sparse, dense, schema.tags)
+
+
+def dense_host_model(model_dir: Path, schema: InputSchema, plan: RemotePlan, shards: Sequence[Shard]) -> SplitModel:
+    """A dense host's model: lookups on ``shards`` (remote, or in process when verifying a
+    build), then the archive's dense part."""
+    lookups = ShardedLookups(shards, schema.feature_names, schema.jagged.name, schema.weighted_ids, plan.stacked)
+    dense = GraphModel(model_dir / plan.dense_file, plan.dense, dense_tags(schema.tags))
+    return SplitModel(lookups, dense, schema.tags)
 
 
 def _eager_model(model_dir: Path, gpu_id: int | None, weights: Path | None) -> Runner:

@@ -38,6 +38,7 @@ from handlers.loading import load_service
 from handlers.runtime.freshness.config import FreshnessConfig
 from handlers.runtime.freshness.worker import LockedRunner, WorkerFreshness
 from handlers.runtime.options import HandlerOptions
+from handlers.runtime.remote.lookups import ShardedLookups
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH
 from handlers.runtime.wire.transport import Arrival
@@ -52,6 +53,7 @@ class DLRMHandler:
         self.metrics: MetricsPublisher | None = None
         self.description: dict[str, Any] = {}
         self.freshness: WorkerFreshness | str | None = None  # or why the archive takes no deltas
+        self.shard_calls: ShardedLookups | None = None
 
     def initialize(self, context: Any) -> None:
         started = time.perf_counter()
@@ -66,6 +68,8 @@ class DLRMHandler:
             freshness.start(self.service.model)  # the model's delta log replayed before the first request
             self.service.model = LockedRunner(self.service.model, freshness.lock)
         self.metrics = MetricsPublisher(options.metrics_flush_s)
+        lookups = getattr(self.service.model, "sparse", None)  # a dense host's calls to its shards
+        self.shard_calls = lookups if isinstance(lookups, ShardedLookups) else None
         gc.collect()
         gc.freeze()
         load_s = time.perf_counter() - started
@@ -97,7 +101,8 @@ class DLRMHandler:
             return [orjson.dumps(self.description)]
         payloads = [_payload(row, context, index) for index, row in enumerate(data)]
         handled = self.service.handle(payloads)
-        self.metrics.add(context, len(data), handled.stats)  # type: ignore[union-attr]
+        shard_counts = self.shard_calls.take_counts() if self.shard_calls is not None else None
+        self.metrics.add(context, len(data), handled.stats, shard_counts)  # type: ignore[union-attr]
         for index, response in enumerate(handled.responses):
             context.set_response_status(response.status, "", idx=index)
             context.set_response_content_type(index, response.content_type)

@@ -9,6 +9,8 @@
 | ``HandlerStageMilliseconds`` | counter | ``Stage`` | time in decode, coalesce, forward, encode |
 | ``HandlerRejectedRequests`` | counter | ``Reason`` | 4xx answers, by ``BadRequest`` reason |
 | ``HandlerHashedIds`` | counter | | ids outside their table, hashed by the ``hash`` policy |
+| ``ShardCalls`` | counter | ``Shard``, ``Outcome`` | a dense host's calls to its embedding shards: ``ok`` or the gRPC status of a failed attempt |
+| ``ShardCallMilliseconds`` | counter | ``Shard`` | time in those calls; / ``ShardCalls`` = mean call time |
 
 (An id refused by the ``reject`` policy counts as ``HandlerRejectedRequests{Reason="id_out_of_range"}``;
 mean time per batch in a stage is ``HandlerStageMilliseconds`` over ``HandlerBatches``.)
@@ -40,9 +42,14 @@ class MetricsPublisher:
         self._pending: collections.Counter[tuple[str, tuple[tuple[str, str], ...]]] = collections.Counter()
         self._last_flush = time.monotonic()
 
-    def add(self, context: Any, requests: int, stats: BatchStats) -> None:
-        """Adds one TorchServe batch of ``requests`` requests; publishes if the interval is over."""
+    def add(
+        self, context: Any, requests: int, stats: BatchStats, shard_counts: collections.Counter | None = None
+    ) -> None:
+        """Adds one TorchServe batch of ``requests`` requests (and a dense host's shard calls,
+        ``ShardedLookups.take_counts``); publishes if the interval is over."""
         pending = self._pending
+        if shard_counts:
+            pending.update(shard_counts)
         pending[("HandlerBatches", (("Requests", str(requests)),))] += 1
         pending[("HandlerForwards", ())] += len(stats.forward_items)
         pending[("HandlerForwardItems", ())] += sum(stats.forward_items)

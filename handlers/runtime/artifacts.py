@@ -4,7 +4,9 @@ An archive serves one ``Artifact``, named in its ``model-config.yaml``: ``aoti``
 package, fastest), ``exported`` (a ``torch.export`` program, run by PyTorch's interpreter),
 ``eager`` (TorchRec modules on the memory-mapped ``weights.pt``; built by
 ``handlers.modeling``, for debugging) or ``split`` (a sparse and a dense part, each one of the
-kinds above; ``handlers.runtime.split``).
+kinds above; ``handlers.runtime.split``). A distributed layout (``handlers.runtime.remote``) serves
+``lookups`` on its embedding shards (a group of tables, eager on their mapped ``weights.pt``: ids
+in, pooled embeddings out) and ``remote`` on its dense hosts (the dense part, calling the shards).
 
 A graph takes plain tensors in the order of the model's input tags (``batching.plain_arguments``):
 ``ROWS`` / ``CONTEXT`` ``[N or K, D]``, a ``JAGGED`` input as ``values [V]``, ``lengths [F, N]``
@@ -40,13 +42,15 @@ class Artifact(str, enum.Enum):
     EXPORTED = "exported"
     EAGER = "eager"
     SPLIT = "split"
+    LOOKUPS = "lookups"
+    REMOTE = "remote"
 
     def file_name(self, part: str = "model") -> str:
         """The file that holds ``part`` (``model``, ``sparse`` or ``dense``) as this artifact."""
-        if self == Artifact.EAGER:
+        if self in (Artifact.EAGER, Artifact.LOOKUPS):
             return "weights.pt"
-        if self == Artifact.SPLIT:
-            raise ValueError("a split archive holds one file per part")
+        if self in (Artifact.SPLIT, Artifact.REMOTE):
+            raise ValueError(f"a {self.value} archive holds one file per part")
         return f"{part}_aoti.pt2" if self == Artifact.AOTI else f"{part}.pt2"
 
     def files(self, part: str = "model") -> list[str]:

@@ -1,10 +1,11 @@
 """The ``handler`` section of an archive's ``model-config.yaml``: what the worker loads and how.
 
     handler:
-      artifact: split          # aoti | exported | eager | split
+      artifact: split          # aoti | exported | eager | split | lookups | remote
       sparse: eager            # split only: the parts (handlers.runtime.split.SplitPlan)
       dense: aoti
       dense_device: cpu
+      # remote only (a dense host): dense, shards, deadline (handlers.runtime.remote.plan.RemotePlan)
       intra_op_threads: 2      # threads for a large forward
       parallel_from_items: 512 # a forward of fewer items runs on one thread
       metrics_flush_s: 1.0     # how often the worker publishes its counters (0: every batch)
@@ -19,6 +20,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from handlers.runtime.artifacts import Artifact
+from handlers.runtime.remote.plan import RemotePlan
 from handlers.runtime.split import SplitPlan
 
 
@@ -29,10 +31,13 @@ class HandlerOptions:
     intra_op_threads: int = 1
     parallel_from_items: int = 0  # 0: every forward on intra_op_threads threads
     metrics_flush_s: float = 1.0
+    remote: RemotePlan | None = None  # a dense host's dense part and shards
 
     def __post_init__(self) -> None:
         if (self.split is not None) != (self.artifact == Artifact.SPLIT):
             raise ValueError("split: a split plan goes with artifact 'split', and only with it")
+        if (self.remote is not None) != (self.artifact == Artifact.REMOTE):
+            raise ValueError("shards: a remote plan goes with artifact 'remote', and only with it")
         if self.intra_op_threads < 1:
             raise ValueError(f"intra_op_threads: must be at least 1, got {self.intra_op_threads}")
         if self.parallel_from_items < 0:
@@ -51,18 +56,21 @@ class HandlerOptions:
         except ValueError:
             raise ValueError(f"artifact: unknown artifact {value!r}") from None
         split = SplitPlan.from_options(raw) if artifact == Artifact.SPLIT else None
+        remote = RemotePlan.from_options(raw) if artifact == Artifact.REMOTE else None
         return cls(
             artifact,
             split,
             _number(raw, "intra_op_threads", defaults.intra_op_threads, int),
             _number(raw, "parallel_from_items", defaults.parallel_from_items, int),
             float(_number(raw, "metrics_flush_s", defaults.metrics_flush_s, (int, float))),
+            remote,
         )
 
     def to_mapping(self) -> dict[str, Any]:
         return {
             "artifact": self.artifact.value,
             **(self.split.to_options() if self.split else {}),
+            **(self.remote.to_options() if self.remote else {}),
             "intra_op_threads": self.intra_op_threads,
             "parallel_from_items": self.parallel_from_items,
             "metrics_flush_s": self.metrics_flush_s,
@@ -78,6 +86,8 @@ class HandlerOptions:
             plan = self.split
             parts = f"sparse {plan.sparse_file}, dense {plan.dense_file} on {plan.dense_device}"
             return f"split ({parts})"
+        if self.remote:
+            return self.remote.describe()
         return f"{self.artifact.value} ({self.artifact.file_name()})"
 
 

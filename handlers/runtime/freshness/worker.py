@@ -74,7 +74,7 @@ def tables_file(model_dir: Path, options: HandlerOptions) -> tuple[Path | None, 
             "an exported program reads its tables into each worker's memory at load; build the "
             "archive as aoti or eager (or a split with aoti or eager lookups) to publish deltas"
         )
-    if artifact == Artifact.EAGER:
+    if artifact in (Artifact.EAGER, Artifact.LOOKUPS):
         return model_dir / "weights.pt", None
     return aoti_weights_file(model_dir / artifact.file_name(part)), None
 
@@ -105,6 +105,8 @@ class WorkerFreshness:
     ) -> "WorkerFreshness | str":
         """Before the model loads: the worker's freshness, holding the working copy of the tables
         (made now by the model's first worker), or why this archive cannot take deltas."""
+        if options.artifact == Artifact.REMOTE:
+            return "a dense host of a distributed layout holds no tables: its embedding shards do"
         if not (model_dir / LAYOUT_FILE).exists():
             return f"the archive has no {LAYOUT_FILE}: rebuild it with this version to publish deltas"
         layout = TablesLayout.load(model_dir)

@@ -1,0 +1,208 @@
+"""Embedding-dense distributed inference on loopback: shard hosts and a dense host, each a real
+TorchServe started by the launcher, the dense host calling the shards over gRPC. Scores equal the
+single-host model's; a replica going down or hanging is failed over with no failed request; a
+shard with no replica left is a 503 naming it, within the deadline, and serving recovers by
+itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from archive_tools.build import ServingConfig
+from archive_tools.distributed import build_distributed
+from archive_tools.launcher import HostGroup, LayoutFile, LocalLayout
+from handlers.modeling.eager import eager_service
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.registry import load_spec
+from tests.conftest import RANKER_SPEC, TINY_SPEC
+from tests.helpers import items_request
+
+pytestmark = pytest.mark.integration
+
+PLACEMENTS = {  # table -> shard
+    "tiny": {"t_user": "a", "t_category": "a", "t_item": "b", "t_hour": "b"},
+    "ranker": {"t_item": "a", "t_tag": "b", "t_seller": "b"},
+}
+
+
+def _layout(tmp_path_factory, spec_path, replicas: dict[str, int]):
+    spec = load_spec(spec_path)
+    placement = PLACEMENTS[spec.name]
+    sharded = spec.replace(tables=[t.model_copy(update={"shard": placement[t.name]}) for t in spec.tables])
+    folder = tmp_path_factory.mktemp(f"distributed-{spec.name}")
+    sharded.to_yaml(folder / "spec.yaml")
+    store = folder / "model_store"
+    build_distributed(
+        folder / "spec.yaml", checkpoint=None, seed=0, name=None, version="1.0", model_store=store,
+        serving=ServingConfig(batch_size=16, max_batch_delay_ms=20),
+    )
+    factory = DLRMFactory(sharded)
+    single_host = eager_service(sharded, factory.inference_model(factory.quantize(factory.float_model(seed=0))))
+    layout = LayoutFile(
+        model_store=store,
+        dense=HostGroup(f"{spec.name}-dense"),
+        shards={shard: HostGroup(f"{spec.name}-{shard}", replicas.get(shard, 1)) for shard in sharded.shards},
+    )
+    return sharded, single_host, layout
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    spec, single_host, layout = _layout(tmp_path_factory, TINY_SPEC, {"a": 2})
+    with LocalLayout(layout) as running:
+        yield spec, single_host, running
+
+
+@pytest.fixture(scope="module")
+def ranker(tmp_path_factory):
+    spec, single_host, layout = _layout(tmp_path_factory, RANKER_SPEC, {})
+    with LocalLayout(layout) as running:
+        yield spec, single_host, running
+
+
+def _expected(single_host, request: dict) -> torch.Tensor:
+    decoded = single_host.decoder.decode(request)
+    (logits,) = single_host.logits([decoded.inputs])
+    return torch.sigmoid(logits)
+
+
+def _scores(layout: LocalLayout, model: str, request: dict) -> requests.Response:
+    return layout.dense[0].predict(model, request, timeout_s=30)
+
+
+@pytest.mark.parametrize("fixture", ["tiny", "ranker"])
+def test_scores_equal_the_single_host_model_solo_and_batched(fixture, request):
+    """Multi-hot bags, many items per request, a context row (ranker, with weighted ids): each
+    request alone, then 24 at once (coalesced by the dense host into shared shard calls)."""
+    spec, single_host, layout = request.getfixturevalue(fixture)
+    model = f"{spec.name}-dense"
+    bodies = [items_request(spec, num_items=1 + k % 7, seed=300 + k, max_bag=4) for k in range(24)]
+    for body in bodies[:4]:
+        response = _scores(layout, model, body)
+        assert response.status_code == 200, response.text
+        torch.testing.assert_close(torch.tensor(response.json()["scores"]), _expected(single_host, body),
+                                   atol=1e-6, rtol=0)
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        responses = list(pool.map(lambda b: _scores(layout, model, b), bodies))
+    for body, response in zip(bodies, responses):
+        assert response.status_code == 200, response.text
+        torch.testing.assert_close(torch.tensor(response.json()["scores"]), _expected(single_host, body),
+                                   atol=1e-6, rtol=0)
+
+
+def test_bad_input_is_a_400_naming_the_field(tiny):
+    spec, _, layout = tiny
+    body = items_request(spec, num_items=2, seed=1)
+    body["items"][1]["sparse"]["item_id"] = [10_000]
+    response = _scores(layout, "tiny-dense", body)
+    assert response.status_code == 400
+    assert "items[1].sparse.item_id[0]" in response.json()["message"]
+
+
+class _Load:
+    """Requests sent one after another from ``threads`` threads until stopped; every answer's
+    status kept."""
+
+    def __init__(self, layout: LocalLayout, spec, threads: int = 3) -> None:
+        self.statuses: list[int] = []
+        self.bodies: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._send, args=(layout, spec, k), daemon=True) for k in range(threads)
+        ]
+
+    def _send(self, layout: LocalLayout, spec, k: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            response = _scores(layout, f"{spec.name}-dense", items_request(spec, num_items=4, seed=k * 10_000 + n))
+            self.statuses.append(response.status_code)
+            if response.status_code != 200:
+                self.bodies.append(response.text)
+            n += 1
+
+    def __enter__(self) -> "_Load":
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=60)
+
+
+def test_a_replica_killed_and_restarted_under_load_fails_no_request(tiny):
+    spec, _, layout = tiny
+    replica = layout.shards["a"][0]
+    with _Load(layout, spec) as load:
+        time.sleep(2)
+        replica.stop()
+        time.sleep(3)
+        replica.start()
+        assert replica.register("tiny-a.mar").status_code == 200
+        time.sleep(3)
+    assert len(load.statuses) > 50
+    assert set(load.statuses) == {200}, load.bodies[:3]
+
+
+def test_a_hung_replica_is_failed_over_within_the_deadline(tiny):
+    """A replica that stops answering (its processes stopped) costs each call one attempt's
+    timeout, then the other replica answers: no request fails, none waits past the deadline."""
+    spec, _, layout = tiny
+    group = layout.shards["a"][0].process.pid
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        with _Load(layout, spec) as load:
+            time.sleep(4)
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    assert len(load.statuses) > 20
+    assert set(load.statuses) == {200}, load.bodies[:3]
+
+
+def test_a_shard_with_no_replica_is_a_503_naming_it_and_serving_recovers(tiny):
+    spec, single_host, layout = tiny
+    (host,) = layout.shards["b"]
+    body = items_request(spec, num_items=3, seed=7)
+    host.stop()
+    try:
+        started = time.perf_counter()
+        response = _scores(layout, "tiny-dense", body)
+        answered_s = time.perf_counter() - started
+        assert response.status_code == 503, response.text
+        assert "shard 'b'" in response.json()["message"]
+        assert answered_s < 3.0  # the deadline (at most 500 ms per replica) plus batching: no hang
+    finally:
+        host.start()
+        assert host.register("tiny-b.mar").status_code == 200
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        response = _scores(layout, "tiny-dense", body)
+        if response.status_code == 200:
+            break
+        time.sleep(0.2)
+    assert response.status_code == 200, response.text
+    torch.testing.assert_close(torch.tensor(response.json()["scores"]), _expected(single_host, body),
+                               atol=1e-6, rtol=0)
+
+
+def test_shard_calls_are_metrics_by_shard_and_outcome(tiny):
+    spec, _, layout = tiny
+    assert _scores(layout, "tiny-dense", items_request(spec, num_items=2, seed=3)).status_code == 200
+    dense = layout.dense[0]
+    calls: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(dense.scrape("tiny-dense")):
+        if family.name == "ShardCalls":
+            for sample in family.samples:
+                key = (sample.labels["Shard"], sample.labels["Outcome"])
+                calls[key] = calls.get(key, 0) + sample.value
+    assert calls.get(("a", "ok"), 0) > 0 and calls.get(("b", "ok"), 0) > 0, calls
