@@ -57,9 +57,11 @@ class HostGroup:
             raise ValueError(f"{field}.hosts: must be a whole number >= 1, got {hosts!r}")
         return cls(raw["archive"], hosts)
 
-    @property
-    def file_name(self) -> str:
-        return self.archive if self.archive.endswith(".mar") else f"{self.archive}.mar"
+    def in_store(self, store: Path) -> str:
+        """The name to register: the archive folder (``--archive-format no-archive``) or .mar."""
+        if self.archive.endswith(".mar") or (store / self.archive).is_dir():
+            return self.archive
+        return f"{self.archive}.mar"
 
     @property
     def model(self) -> str:
@@ -122,7 +124,7 @@ class LocalLayout:
                 server = LocalTorchServe(store, settings=SHARD_SETTINGS, keep_logs=self._logs(f"{shard}-{i}"))
                 self.shards[shard].append(server)
                 server.start()
-                _register(server, group)
+                self._register(server, group)
         placement = {
             shard: [f"127.0.0.1:{s.ports['grpc_inference_port']}" for s in servers]
             for shard, servers in self.shards.items()
@@ -134,7 +136,7 @@ class LocalLayout:
             )
             self.dense.append(server)
             server.start()
-            _register(server, self.layout.dense)
+            self._register(server, self.layout.dense)
 
     def stop(self) -> None:
         for server in self.dense + [s for servers in self.shards.values() for s in servers]:
@@ -142,6 +144,12 @@ class LocalLayout:
         self.placement_file.unlink(missing_ok=True)
         if self.workdir.exists():
             self.workdir.rmdir()
+
+    def revive(self, shard: str, index: int) -> None:
+        """Starts a stopped shard host again, on its ports, serving its shard."""
+        server = self.shards[shard][index]
+        server.start()
+        self._register(server, self.layout.shards[shard])
 
     def describe(self) -> list[str]:
         """One line per host: what it serves and where."""
@@ -161,8 +169,8 @@ class LocalLayout:
     def _logs(self, host: str) -> Path | None:
         return self.keep_logs / host if self.keep_logs is not None else None
 
-
-def _register(server: LocalTorchServe, group: HostGroup) -> None:
-    response = server.register(group.file_name)
-    if response.status_code != 200:
-        raise ValueError(f"registering {group.file_name}: {response.status_code} {response.text}")
+    def _register(self, server: LocalTorchServe, group: HostGroup) -> None:
+        archive = group.in_store(self.layout.model_store)
+        response = server.register(archive)
+        if response.status_code != 200:
+            raise ValueError(f"registering {archive}: {response.status_code} {response.text}")

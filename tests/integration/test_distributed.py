@@ -147,8 +147,7 @@ def test_a_replica_killed_and_restarted_under_load_fails_no_request(tiny):
         time.sleep(2)
         replica.stop()
         time.sleep(3)
-        replica.start()
-        assert replica.register("tiny-a.mar").status_code == 200
+        layout.revive("a", 0)
         time.sleep(3)
     assert len(load.statuses) > 50
     assert set(load.statuses) == {200}, load.bodies[:3]
@@ -182,8 +181,7 @@ def test_a_shard_with_no_replica_is_a_503_naming_it_and_serving_recovers(tiny):
         assert "shard 'b'" in response.json()["message"]
         assert answered_s < 3.0  # the deadline (at most 500 ms per replica) plus batching: no hang
     finally:
-        host.start()
-        assert host.register("tiny-b.mar").status_code == 200
+        layout.revive("b", 0)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         response = _scores(layout, "tiny-dense", body)
