@@ -33,7 +33,7 @@ from archive_tools.build import (
     build_archive,
 )
 from archive_tools.delta import DeltaSource, make_delta, verify_delta
-from archive_tools.distributed import build_distributed
+from archive_tools.distributed import build_distributed, is_dense_archive, split_delta
 from archive_tools.launcher import LayoutFile, LocalLayout
 from archive_tools.local_server import LocalTorchServe, PortTaken, ServerDied
 from archive_tools.resources import spec_path
@@ -144,6 +144,16 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _delta(args: argparse.Namespace) -> int:
+    if is_dense_archive(args.archive):
+        if args.rows is None or args.checkpoint or args.dense or args.out or args.name:
+            raise ValueError(
+                f"{args.archive} is a distributed layout's dense archive: its tables are on its shards; "
+                "give --rows (and --sequence) alone, and the delta is split into one per shard"
+            )
+        for summary in split_delta(args.archive, args.rows, args.sequence):
+            rows = ", ".join(f"{t} {n:,}" for t, n in summary.rows_by_table.items()) or "no rows"
+            print(f"wrote {summary.path} ({rows}; {summary.bytes / 2**20:.1f} MiB)", file=sys.stderr)
+        return 0
     source = DeltaSource(checkpoint=args.checkpoint, rows=args.rows, dense=args.dense)
     out = args.out or args.archive.parent / "deltas" / f"{args.archive.name.split('.')[0]}-{args.sequence:08d}.delta"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -165,7 +175,11 @@ def _delta(args: argparse.Namespace) -> int:
 
 
 def _delta_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("archive", type=Path, help="the served archive (.mar or folder) the delta applies to")
+    parser.add_argument(
+        "archive", type=Path,
+        help="the served archive (.mar or folder) the delta applies to; a distributed layout's dense "
+        "archive: one delta per shard, from --rows",
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", type=Path, help="a newer trained checkpoint (as build takes it)")
     source.add_argument(

@@ -1,10 +1,12 @@
 """Build a distributed layout's archives from one spec and one checkpoint: one embedding shard
 archive per group of tables (the spec's ``tables[].shard`` keys) and one dense archive that calls
-them (``handlers.runtime.remote``).
+them (``handlers.runtime.remote``); and split a delta of changed rows into one per shard.
 
     torchrec-serve build --spec criteo_1tb --artifact distributed --dense aoti --init quantized
     # model_store/criteo_1tb-a.mar, criteo_1tb-b.mar: lookups only (ids in, pooled embeddings out)
     # model_store/criteo_1tb-dense.mar: the dense part, calling the shards over gRPC
+    torchrec-serve delta model_store/criteo_1tb-dense.mar --rows touched.pt --sequence 1
+    # model_store/deltas/criteo_1tb-a-00000001.delta, ...-b-00000001.delta: each shard's tables
 
 The served weights are made once, as for a single-host build; each shard gets its tables' rows
 byte for byte. Before anything is written the layout is verified as it will serve: each shard
@@ -19,6 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -34,7 +37,9 @@ from archive_tools.build import (
     served_weights,
     stage_files,
 )
+from archive_tools.archives import handler_options
 from archive_tools.capture import capture, check_capturable
+from archive_tools.delta import DeltaSource, DeltaSummary, make_delta
 from archive_tools.validation_data import read_validation
 from archive_tools.verification import Bounds, generated_validation, verify
 from handlers.loading import SPEC_FILE, dense_host_model, load_service
@@ -160,7 +165,11 @@ def build_distributed(
                 config = shard_serving.model_config(Artifact.LOOKUPS, (folder / "weights.pt").stat().st_size, None)
                 archives.append(_package_with(folder, config, route.model, version, model_store, archive_format))
             dense_bytes = sum(f.stat().st_size for f in whole.glob("*.pt*"))
-            config = serving.model_config(Artifact.REMOTE, dense_bytes, None, plan)
+            # A dense host's batch may wait out a shard's fail-over: admission control, which
+            # sheds requests that would queue longer than a few batch times, allows for it.
+            wait_ms = serving.max_queue_wait_ms or int(2 * plan.deadline.max_ms)
+            dense_serving = dataclasses.replace(serving, max_queue_wait_ms=wait_ms)
+            config = dense_serving.model_config(Artifact.REMOTE, dense_bytes, None, plan)
             archives.append(_package_with(whole, config, names[-1], version, model_store, archive_format))
             stages.update()
     for archive in archives:
@@ -168,6 +177,57 @@ def build_distributed(
         tqdm.write(f"wrote {archive} ({size / 2**20:.1f} MiB)", file=sys.stderr)
     tqdm.write(f"built {len(archives)} archives in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return archives
+
+
+def split_delta(dense_archive: Path, rows: Path, sequence: int) -> list[DeltaSummary]:
+    """Changed rows of a layout's tables (a rows file, as ``delta --rows`` takes) -> one delta per
+    shard, of the tables it owns, made against its archive (beside the dense one in the model
+    store) and written to the store's ``deltas/`` as ``<shard model>-<sequence>.delta``, where its
+    hosts' plugin finds it. A shard whose tables did not change gets a delta of no rows, so every
+    shard's log keeps the layout's sequence numbers. A table no shard holds is refused."""
+    store = Path(dense_archive).parent
+    with tempfile.TemporaryDirectory(prefix="layout-delta-") as tmp:
+        options = handler_options(_files_of(Path(dense_archive), ["model-config.yaml"], Path(tmp) / "dense"))
+        if options.remote is None:
+            raise ValueError(f"{dense_archive}: not a dense archive of a distributed layout ({options.describe()})")
+        given = torch.load(rows, map_location="cpu", weights_only=True)
+        shard_of = {}
+        for route in options.remote.shards:
+            spec = load_spec(_files_of(_archive_in(store, route.model), [SPEC_FILE], Path(tmp) / route.name) / SPEC_FILE)
+            shard_of.update({t.name: route for t in spec.tables})
+        unknown = sorted(set(given) - set(shard_of))
+        if unknown:
+            raise ValueError(f"{rows}: tables {unknown} are on no shard of the layout; it has {sorted(shard_of)}")
+        written = []
+        for route in options.remote.shards:
+            part = Path(tmp) / f"{route.name}.rows.pt"
+            torch.save({t: change for t, change in given.items() if shard_of[t] is route}, part)
+            out = store / "deltas" / f"{route.model}-{sequence:08d}.delta"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            written.append(make_delta(_archive_in(store, route.model), DeltaSource(rows=part), out, sequence, route.model))
+        return written
+
+
+def is_dense_archive(archive: Path) -> bool:
+    """Whether ``archive`` is the dense archive of a distributed layout (its tables on shards)."""
+    with tempfile.TemporaryDirectory(prefix="archive-config-") as tmp:
+        return handler_options(_files_of(Path(archive), ["model-config.yaml"], Path(tmp))).remote is not None
+
+
+def _files_of(archive: Path, names: list[str], into: Path) -> Path:
+    """The folder holding ``names`` of the archive: itself if unzipped, else those files alone
+    taken out of the ``.mar`` into ``into`` (not its GBs of tables)."""
+    if archive.is_dir():
+        return archive
+    with zipfile.ZipFile(archive) as z:
+        z.extractall(into, names)
+    return into
+
+
+def _archive_in(store: Path, model: str) -> Path:
+    """A model's archive in the store: its folder, or its ``.mar``."""
+    folder = store / model
+    return folder if folder.is_dir() else store / f"{model}.mar"
 
 
 def shard_schema(shard_spec: ModelSpec, model_limits: Limits) -> InputSchema:

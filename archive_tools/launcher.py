@@ -151,6 +151,25 @@ class LocalLayout:
         server.start()
         self._register(server, self.layout.shards[shard])
 
+    def publish(self, sequence: int) -> None:
+        """Publishes the layout's delta ``sequence`` (``delta`` on the dense archive wrote one per
+        shard) on every host of each shard."""
+        for shard, servers in self.shards.items():
+            model = self.layout.shards[shard].model
+            for server in servers:
+                response = server.management("POST", f"/freshness/{model}", params={"delta": f"{model}-{sequence:08d}.delta"})
+                if response.status_code != 200:
+                    raise ValueError(f"publishing to shard {shard} at {server.management_url}: {response.status_code} {response.text}")
+
+    def freshness(self) -> dict[str, dict]:
+        """Every shard host's freshness state (its watermark: ``applied_sequence``), by host."""
+        states = {}
+        for shard, servers in self.shards.items():
+            model = self.layout.shards[shard].model
+            for i, server in enumerate(servers):
+                states[f"{shard}-{i}"] = server.management("GET", f"/freshness/{model}").json()
+        return states
+
     def describe(self) -> list[str]:
         """One line per host: what it serves and where."""
         lines = [

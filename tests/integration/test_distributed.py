@@ -18,7 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from archive_tools.build import ServingConfig
-from archive_tools.distributed import build_distributed
+from archive_tools.distributed import build_distributed, split_delta
 from archive_tools.launcher import HostGroup, LayoutFile, LocalLayout
 from handlers.modeling.eager import eager_service
 from handlers.modeling.factory import DLRMFactory
@@ -204,3 +204,44 @@ def test_shard_calls_are_metrics_by_shard_and_outcome(tiny):
                 key = (sample.labels["Shard"], sample.labels["Outcome"])
                 calls[key] = calls.get(key, 0) + sample.value
     assert calls.get(("a", "ok"), 0) > 0 and calls.get(("b", "ok"), 0) > 0, calls
+
+
+def test_a_rows_delta_reaches_the_shard_that_owns_each_table_on_every_host(tiny, tmp_path):
+    """Last in this module: it changes the served rows. New rows for a table of each shard, split
+    by the layout's delta command into one delta per shard, published to every shard host: each
+    host's watermark reaches it, and the dense host's scores are a fresh build's with those rows."""
+    spec, _, layout = tiny
+    generator = torch.Generator().manual_seed(5)
+    touched = {
+        "t_user": {"ids": torch.tensor([1, 2, 7]), "rows": torch.randn(3, 8, generator=generator)},
+        "t_hour": {"ids": torch.tensor([5, 23]), "rows": torch.randn(2, 8, generator=generator)},
+    }
+    torch.save(touched, tmp_path / "touched.pt")
+    store = layout.layout.model_store
+    written = split_delta(store / "tiny-dense.mar", tmp_path / "touched.pt", sequence=1)
+    assert {s.path.name: s.rows_by_table for s in written} == {
+        "tiny-a-00000001.delta": {"t_user": 3}, "tiny-b-00000001.delta": {"t_hour": 2},
+    }
+    layout.publish(sequence=1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        watermarks = {host: state["applied_sequence"] for host, state in layout.freshness().items()}
+        if set(watermarks.values()) == {1}:
+            break
+        time.sleep(0.2)
+    assert watermarks == {"a-0": 1, "a-1": 1, "b-0": 1}
+
+    factory = DLRMFactory(spec)
+    model = factory.float_model(seed=0)
+    bags = model.sparse_arch.embedding_bag_collection.embedding_bags
+    with torch.no_grad():
+        for table, change in touched.items():
+            bags[table].weight[change["ids"]] = change["rows"]
+    fresh = eager_service(spec, factory.inference_model(factory.quantize(model)))
+    body = {"items": [
+        {"dense": [0.1, 0.2, 0.3, 0.4], "sparse": {"user_id": [1, 7], "hour": [5], "item_id": [3]}},
+        {"dense": [1.0, 0.0, -1.0, 2.0], "sparse": {"user_id": [2], "hour": [23], "category": [4]}},
+    ]}
+    response = _scores(layout, "tiny-dense", body)
+    assert response.status_code == 200, response.text
+    torch.testing.assert_close(torch.tensor(response.json()["scores"]), _expected(fresh, body), atol=1e-6, rtol=0)
