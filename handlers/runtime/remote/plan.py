@@ -11,7 +11,7 @@ The archive says *what* (the ``handler`` section of the dense archive's ``model-
         - {name: a, model: criteo-a, features: [cat_0, ..., cat_12], widths: [128, ..., 128]}
         - {name: b, model: criteo-b, features: [cat_13, ..., cat_25], widths: [128, ..., 128]}
       stacked: true                     # the dense part takes [N, F, D] (else [N, sum of widths])
-      deadline: {floor_ms: 20, max_ms: 500, multiple: 4, retry_after_s: 1}
+      deadline: {floor_ms: 50, max_ms: 500, multiple: 8, retry_after_s: 1}
 
 and a placement file says *where* (deployment, not model: the same archives serve any layout),
 named by the environment variable ``TORCHREC_SERVE_PLACEMENT`` of the dense host's TorchServe::
@@ -65,9 +65,9 @@ class Deadline:
     measured); a call fails over through the replicas, so a shard answers or is given up within
     attempts x replicas. A replica that failed is tried last for ``retry_after_s``."""
 
-    floor_ms: float = 20.0
+    floor_ms: float = 50.0
     max_ms: float = 500.0
-    multiple: float = 4.0
+    multiple: float = 8.0
     retry_after_s: float = 1.0
 
     def __post_init__(self) -> None:
