@@ -228,7 +228,8 @@ class _Call:
         self.request = request
         self.started = time.monotonic()
         self.timeout_s = caller.attempt_timeout_s()
-        self.give_up_at = self.started + self.timeout_s * len(caller._stubs)
+        budget_s = max(caller.deadline.max_ms / 1000, self.timeout_s * len(caller._stubs))
+        self.give_up_at = self.started + budget_s
         self.order = caller.replica_order(self.started)
         self.errors: list[str] = []
         self._attempt(self.order.pop(0))

@@ -60,10 +60,11 @@ class ShardRoute:
 
 @dataclasses.dataclass(frozen=True)
 class Deadline:
-    """How long a shard call may take. An attempt on one replica gets ``multiple`` x the shard's
-    recent p99 call time, within [``floor_ms``, ``max_ms``] (``max_ms`` until 20 calls are
-    measured); a call fails over through the replicas, so a shard answers or is given up within
-    attempts x replicas. A replica that failed is tried last for ``retry_after_s``."""
+    """How long a shard call may take. An attempt on one replica, while a live one is left to try
+    after it, gets ``multiple`` x the shard's recent p99 call time, within [``floor_ms``,
+    ``max_ms``] (``max_ms`` until 20 calls are measured); the last live replica gets the rest of
+    the shard's deadline: ``max_ms``, or attempts x replicas if longer. Then the shard is given
+    up. A replica that failed is tried last for ``retry_after_s``."""
 
     floor_ms: float = 50.0
     max_ms: float = 500.0
