@@ -32,6 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import orjson  # noqa: E402
 import requests  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from archive_tools.launcher import HostGroup, LayoutFile, LocalLayout  # noqa: E402
@@ -125,6 +126,8 @@ def run_distributed(scenario: DistributedScenario, out_dir: Path) -> dict:
         "di_extra_p50_ms": distributed["p50_ms"] - single["p50_ms"],
         "single_host_p99_ms": single["p99_ms"],
         "di_p99_ms": distributed["p99_ms"],
+        "single_host_statuses": single["statuses"],
+        "di_statuses": distributed["statuses"],
         "max_score_diff": float(np.max(np.abs(single["scores"] - distributed["scores"]))),
         "shard_rss_mib": max(figures["shard_rss_mib_by_host"].values()),
     })
@@ -179,7 +182,7 @@ def _measure(server: LocalTorchServe, model: str, traffic: Traffic, duration_s: 
         "items_per_s": loaded.items_per_s,
         "p50_ms": solo.latency_ms["p50"],
         "p99_ms": solo.latency_ms["p99"],
-        "statuses": {**loaded.statuses},
+        "statuses": {k: loaded.statuses.get(k, 0) + solo.statuses.get(k, 0) for k in {*loaded.statuses, *solo.statuses}},
         "scores": np.asarray(scores, dtype=np.float64),
     }
 
@@ -199,7 +202,14 @@ def _failover(layout: LocalLayout, model: str, traffic: Traffic, phase_s: float)
         back = time.perf_counter()
         time.sleep(phase_s)
     result = load.result
+    calls: dict[str, float] = {}
+    for family in text_string_to_metric_families(dense.scrape(model)):
+        if family.name == "ShardCalls":
+            for sample in family.samples:
+                key = f"{sample.labels['Shard']} {sample.labels['Outcome']}"
+                calls[key] = calls.get(key, 0) + sample.value
     return {
+        "failover_shard_calls": calls,  # since the layout started: by shard and outcome
         "failover_rate_rps": rate,
         "failover_requests": result.requests,
         "failover_failed_requests": sum(n for status, n in result.statuses.items() if status != "200"),
