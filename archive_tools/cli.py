@@ -98,26 +98,25 @@ def _build(args: argparse.Namespace) -> int:
         hang_after_ms=args.hang_after_ms,
         delta_rows_per_s=args.delta_rows_per_s,
     )
+    common = {  # what every build takes: the weights, the names, where it goes, how it is checked
+        "checkpoint": args.checkpoint,
+        "seed": args.seed,
+        "name": args.name,
+        "version": args.version,
+        "model_store": args.model_store,
+        "serving": serving,
+        "bounds": _bounds(args),
+        "validation": args.validation,
+        "quantized_init": args.init == "quantized",
+        "archive_format": args.archive_format,
+    }
     if args.artifact == DISTRIBUTED:
         if args.sparse is not None or args.dense_device is not None:
             raise ValueError(
                 "--sparse/--dense-device: a distributed layout's shards serve eager lookups, its "
                 "dense part runs on cpu"
             )
-        build_distributed(
-            spec_path(args.spec),
-            checkpoint=args.checkpoint,
-            seed=args.seed,
-            name=args.name,
-            version=args.version,
-            model_store=args.model_store,
-            serving=serving,
-            dense=Artifact(args.dense or Artifact.AOTI.value),
-            bounds=_bounds(args),
-            validation=args.validation,
-            quantized_init=args.init == "quantized",
-            archive_format=args.archive_format,
-        )
+        build_distributed(spec_path(args.spec), dense=Artifact(args.dense or Artifact.AOTI.value), **common)
         return 0
     artifact = Artifact(args.artifact)
     split_options = {"sparse": args.sparse, "dense": args.dense, "dense_device": args.dense_device}
@@ -126,19 +125,10 @@ def _build(args: argparse.Namespace) -> int:
         raise ValueError(f"--{'/--'.join(given).replace('_', '-')}: only with --artifact split")
     build_archive(
         spec_path(args.spec),
-        checkpoint=args.checkpoint,
-        seed=args.seed,
-        name=args.name,
-        version=args.version,
-        model_store=args.model_store,
-        serving=serving,
-        bounds=_bounds(args),
-        validation=args.validation,
-        quantized_init=args.init == "quantized",
-        archive_format=args.archive_format,
         artifact=artifact,
         split=SplitPlan.from_options(given) if artifact == Artifact.SPLIT else None,
         compare_precisions=args.compare_dense_precisions,
+        **common,
     )
     return 0
 

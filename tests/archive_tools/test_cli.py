@@ -32,6 +32,23 @@ def test_split_options_are_checked_on_the_command_line(extra, message, capsys, t
     assert not any(tmp_path.iterdir()), "nothing is written"
 
 
+SHARDED_SPEC = TINY_SPEC.parent.parent.parent / "examples" / "distributed" / "tiny_sharded.yaml"
+
+
+@pytest.mark.parametrize(
+    "spec, extra, message",
+    [
+        (SHARDED_SPEC, ["--sparse", "eager"], "--sparse/--dense-device: a distributed layout's shards serve eager lookups"),
+        (TINY_SPEC, [], "tables[].shard: no table names its shard"),
+    ],
+)
+def test_a_distributed_build_is_checked_before_building(spec, extra, message, capsys, tmp_path):
+    assert build(["--spec", str(spec), "--artifact", "distributed", "--model-store", str(tmp_path), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir()), "nothing is written"
+
+
 def test_an_artifact_argparse_does_not_know_is_a_usage_error(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
         build(["--spec", str(TINY_SPEC), "--artifact", "split", "--dense", "eager"])

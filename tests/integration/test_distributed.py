@@ -18,6 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from archive_tools.build import ServingConfig
+from archive_tools.cli import main
 from archive_tools.distributed import build_distributed, split_delta
 from archive_tools.launcher import HostGroup, LayoutFile, LocalLayout
 from handlers.modeling.eager import eager_service
@@ -204,6 +205,16 @@ def test_shard_calls_are_metrics_by_shard_and_outcome(tiny):
                 key = (sample.labels["Shard"], sample.labels["Outcome"])
                 calls[key] = calls.get(key, 0) + sample.value
     assert calls.get(("a", "ok"), 0) > 0 and calls.get(("b", "ok"), 0) > 0, calls
+
+
+def test_a_delta_of_the_dense_archive_takes_a_rows_file_alone(tiny, tmp_path, capsys):
+    _, _, layout = tiny
+    dense = layout.layout.model_store / "tiny-dense.mar"
+    assert main(["delta", str(dense), "--checkpoint", str(tmp_path / "trained.pt"), "--sequence", "1"]) == 2
+    assert "its tables are on its shards; give --rows (and --sequence) alone" in capsys.readouterr().err
+    torch.save({"t_nowhere": {"ids": torch.tensor([0]), "rows": torch.zeros(1, 8)}}, tmp_path / "rows.pt")
+    with pytest.raises(ValueError, match=r"tables \['t_nowhere'\] are on no shard"):
+        split_delta(dense, tmp_path / "rows.pt", sequence=1)
 
 
 def test_a_rows_delta_reaches_the_shard_that_owns_each_table_on_every_host(tiny, tmp_path):
