@@ -130,3 +130,24 @@ def _status_kib(field: str) -> int:
         if line.startswith(f"{field}:"):
             return int(line.split()[1])
     raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def test_a_worker_with_no_room_for_a_copy_serves_without_deltas_and_says_why(tiny_spec, tiny_weights, tmp_path, monkeypatch):
+    from handlers.modeling.factory import DLRMFactory
+    from handlers.runtime.freshness import worker
+    from handlers.runtime.options import HandlerOptions
+
+    factory = DLRMFactory(tiny_spec)
+    factory.save_weights(tiny_weights, tmp_path / "weights.pt")
+    factory.tables_layout(tmp_path / "weights.pt").save(tmp_path)
+    (tmp_path / worker.LOG_POINTER).write_text("{}")  # registered through the plugin
+
+    def no_room(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(worker.SharedTables, "open", no_room)
+    reason = worker.WorkerFreshness.open(tmp_path, HandlerOptions())
+    assert reason == (
+        "no working copy of the tables could be made ([Errno 28] No space left on device); "
+        "free memory or set freshness.tables_dir"
+    )
