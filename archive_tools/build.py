@@ -211,8 +211,9 @@ def served_weights(
     ``quantized_init``: seeded random tables made in their served dtypes). Two stages."""
     if quantized_init:
         stages.set_postfix_str("random quantized tables")
+        weights = factory.random_weights(seed)
         stages.update(2)
-        return factory.random_weights(seed), None
+        return weights, None
     stages.set_postfix_str("float model")
     reference = factory.float_model(seed=seed)
     if checkpoint is not None:
