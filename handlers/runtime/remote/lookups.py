@@ -19,7 +19,6 @@ failing over to the next on any error but a refused request, within the shard's 
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 import itertools
@@ -105,19 +104,20 @@ class ShardedLookups:
         ids = batch[self.jagged]
         assert isinstance(ids, JaggedIds)
         num_items = ids.lengths.shape[1]
+        totals = ids.lengths.sum(dim=1).tolist()  # ids per feature
+        starts = [0, *itertools.accumulate(totals)]
         pending = [
-            shard.call(*encode_request(self._inputs(ids, rows), outputs=(EMBEDDINGS,)))
+            shard.call(*encode_request(self._inputs(ids, rows, starts), outputs=(EMBEDDINGS,)))
             for shard, rows in zip(self.shards, self.feature_rows)
         ]
         parts = [call.result().reshape(num_items, width) for call, width in zip(pending, self.widths)]
         embeddings = torch.cat(parts, dim=1).index_select(1, self.columns)
         return embeddings.reshape(num_items, self.num_features, -1) if self.stacked else embeddings
 
-    def _inputs(self, ids: JaggedIds, rows: list[int]) -> dict[str, np.ndarray]:
-        """One shard's share of the batch's ids: its features' bags, in its order."""
-        totals = ids.lengths.sum(dim=1).tolist()
-        starts = [0, *itertools.accumulate(totals)]
-        pieces = [slice(starts[f], starts[f] + totals[f]) for f in rows]
+    def _inputs(self, ids: JaggedIds, rows: list[int], starts: list[int]) -> dict[str, np.ndarray]:
+        """One shard's share of the batch's ids: its features' bags, in its order; ``starts``:
+        where each feature's ids begin in ``ids.values`` (and, last, their total)."""
+        pieces = [slice(starts[f], starts[f + 1]) for f in rows]
         inputs = {
             f"{self.jagged}.lengths": ids.lengths[rows].numpy(),
             f"{self.jagged}.values": torch.cat([ids.values[p] for p in pieces]).numpy(),
@@ -150,7 +150,6 @@ class ShardCaller:
         self._down_until = [0.0] * len(route.replicas)
         self._turn = itertools.count()
         self._recent: collections.deque[float] = collections.deque(maxlen=MEASURED_CALLS)
-        self._sorted: list[float] = []
         self.counts: collections.Counter[tuple[str, tuple[tuple[str, str], ...]]] = collections.Counter()
 
     def connect(self, timeout_s: float) -> list[str]:
@@ -172,9 +171,10 @@ class ShardCaller:
     def attempt_timeout_s(self) -> float:
         """``multiple`` x the recent p99 call time, within the deadline's bounds."""
         d = self.deadline
-        if len(self._sorted) < 20:
+        if len(self._recent) < 20:
             return d.max_ms / 1000
-        p99 = self._sorted[int(0.99 * (len(self._sorted) - 1))]
+        recent = sorted(self._recent)  # 200 floats, once a call
+        p99 = recent[int(0.99 * (len(recent) - 1))]
         return min(max(d.multiple * p99, d.floor_ms / 1000), d.max_ms / 1000)
 
     def is_down(self, replica: int, now: float) -> bool:
@@ -202,11 +202,7 @@ class ShardCaller:
 
     def _succeeded(self, replica: int, seconds: float) -> None:
         self._down_until[replica] = 0.0
-        if len(self._recent) == self._recent.maxlen:
-            oldest = self._recent[0]
-            del self._sorted[bisect.bisect_left(self._sorted, oldest)]
         self._recent.append(seconds)
-        bisect.insort(self._sorted, seconds)
         self._count("ok", seconds)
 
     def _failed(self, replica: int, code: str, seconds: float) -> None:
