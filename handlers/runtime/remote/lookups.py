@@ -261,10 +261,10 @@ class _Call:
                 raise ShardUnavailable(caller.route.name, waited, self.errors) from None
             caller._succeeded(self.replica, time.monotonic() - self.attempt_started)
             try:
-                outputs = decode_response(answer.prediction)
+                embeddings = decode_response(answer.prediction)[EMBEDDINGS]
             except (V2Error, ValueError, KeyError) as e:
-                raise InternalError(f"shard {caller.route.name} answered what is not embeddings: {e}") from None
-            return torch.from_numpy(np.array(outputs[EMBEDDINGS], dtype=np.float32))
+                raise InternalError(f"shard {caller.route.name} answered what is not embeddings: {e!r}") from None
+            return torch.from_numpy(np.array(embeddings, dtype=np.float32))
 
 
 @dataclasses.dataclass
