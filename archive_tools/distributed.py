@@ -118,12 +118,13 @@ def build_distributed(
 
             stages.set_postfix_str("shards")
             routes, shard_dirs = [], []
-            for shard, shard_tables in spec.shards.items():
+            for shard in spec.shards:
                 shard_spec = spec.shard_spec(shard)
                 folder = Path(tmp) / shard / "extra"
                 stage_shard(folder, shard_spec, tables.tables, spec.limits.to_limits())
-                widths = tuple(t.dim for t in shard_tables for _ in t.features)
-                routes.append(ShardRoute(shard, shard_model_name(name, shard), shard_spec.feature_names, widths))
+                routes.append(
+                    ShardRoute(shard, shard_model_name(name, shard), shard_spec.feature_names, shard_spec.feature_dims)
+                )
                 shard_dirs.append(folder)
             plan = RemotePlan(dense, tuple(routes), stacked=_stacked(spec, factory, tables))
             del tables
@@ -248,6 +249,7 @@ def shard_schema(shard_spec: ModelSpec, model_limits: Limits) -> InputSchema:
         out_of_range=model.out_of_range,
         limits=limits,
         output=Output.EMBEDDINGS,
+        embedding_widths=tuple(shard_spec.feature_dims),
     )
 
 

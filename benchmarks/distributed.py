@@ -8,6 +8,8 @@ same load, one after the other. Written to ``distributed.json``:
   loop at concurrency 8;
 * ``single_host_p50_ms``, ``di_p50_ms``, ``di_extra_p50_ms``: the same requests one at a time;
 * ``max_score_diff``: the layout's scores against the single host's, on the same requests;
+* ``shard_answer_kib_per_request``: the pooled embeddings the shards answer for one request (each
+  distinct bag once), against ``shard_answer_kib_per_request_all_bags`` (every item's every bag);
 * ``single_host_rss_mib``, ``shard_rss_mib`` (the largest shard host), ``dense_rss_mib``,
   ``shard_rss_ratio``: the model workers' RSS after the runs (tables pinned in memory: all counted);
 * ``failover_failed_requests``: one of shard ``a``'s replicas stopped, then started again, under
@@ -32,6 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import orjson  # noqa: E402
 import requests  # noqa: E402
+import torch  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -42,8 +45,11 @@ from benchmarks.memory import worker_memory  # noqa: E402
 from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS  # noqa: E402
 from benchmarks.traffic import Traffic, TrafficModel  # noqa: E402
 from handlers.modeling.factory import DLRMFactory  # noqa: E402
-from handlers.modeling.registry import load_spec  # noqa: E402
+from handlers.modeling.registry import input_schema, load_spec  # noqa: E402
 from handlers.modeling.spec import ModelSpec  # noqa: E402
+from handlers.runtime.batching import coalesce  # noqa: E402
+from handlers.runtime.remote.lookups import distinct_ids  # noqa: E402
+from handlers.runtime.wire.decoder import RequestDecoder  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +95,7 @@ def run_distributed(scenario: DistributedScenario, out_dir: Path) -> dict:
     candidates = TrafficModel(items_per_request=100, candidate_features=scenario.candidate_features).generate(spec, 64, seed=2)
     one_item = TrafficModel(items_per_request=1).generate(spec, 512, seed=1)
     figures: dict = {"scenario": scenario.name, "shard_tables": {s: [t.name for t in ts] for s, ts in spec.shards.items()},
-                     "shard_table_mib": _shard_mib(spec)}
+                     "shard_table_mib": _shard_mib(spec), **_answer_kib(spec, candidates)}
     progress = tqdm(total=4, desc=scenario.name, unit="phase")
 
     with LocalTorchServe(model_store=store) as server:
@@ -156,6 +162,20 @@ def _placed(spec: ModelSpec) -> ModelSpec:
 def _shard_mib(spec: ModelSpec) -> dict[str, float]:
     sizes = DLRMFactory(spec).table_bytes()
     return {s: sum(sizes[t.name] for t in tables) / 2**20 for s, tables in spec.shards.items()}
+
+
+def _answer_kib(spec: ModelSpec, traffic: Traffic) -> dict[str, float]:
+    """FP32 embeddings the shards answer per request, each distinct bag once (what a dense host
+    asks for) and every bag of every item, averaged over ``traffic``."""
+    schema = input_schema(spec)
+    decoder = RequestDecoder(schema)
+    dims = torch.tensor(spec.feature_dims, dtype=torch.float64)
+    sent, every = [], []
+    for body in traffic.bodies:
+        ids = coalesce([decoder.decode(body).inputs], schema.tags)[schema.jagged.name]
+        sent.append(float((distinct_ids(ids).bags * dims).sum()) * 4 / 1024)
+        every.append(ids.lengths.shape[1] * float(dims.sum()) * 4 / 1024)
+    return {"shard_answer_kib_per_request": float(np.mean(sent)), "shard_answer_kib_per_request_all_bags": float(np.mean(every))}
 
 
 def _build(spec_path: Path, store: Path, args: tuple[str, ...]) -> None:
@@ -248,7 +268,8 @@ def _summary(figures: dict) -> str:
         lines.append(f"  {key:<34}{value:>14,.6g}  target {op} {bound:g}: {'met' if met else 'MISSED'}")
     for key in ("single_host_100cand_items_per_s", "di_100cand_items_per_s", "single_host_p50_ms", "di_p50_ms",
                 "single_host_p99_ms", "di_p99_ms", "single_host_rss_mib", "shard_rss_mib", "dense_rss_mib",
-                "failover_requests", "shard_down_answer_ms"):
+                "failover_requests", "shard_down_answer_ms", "shard_answer_kib_per_request",
+                "shard_answer_kib_per_request_all_bags"):
         lines.append(f"  {key:<34}{figures[key]:>14,.6g}")
     lines.append(f"  shard_down_statuses {figures['shard_down_statuses']}")
     return "\n".join(lines) + "\n"

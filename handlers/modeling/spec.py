@@ -251,6 +251,11 @@ class ModelSpec(_Section):
         return tuple(t.rows for t in self.tables for _ in t.features)
 
     @property
+    def feature_dims(self) -> tuple[int, ...]:
+        """Width of each feature's pooled embedding (its table's dim), aligned with ``feature_names``."""
+        return tuple(t.dim for t in self.tables for _ in t.features)
+
+    @property
     def shards(self) -> dict[str, tuple[TableSpec, ...]]:
         """Shard name -> its tables, in model order (empty: the model is served on one host)."""
         shards: dict[str, list[TableSpec]] = {}

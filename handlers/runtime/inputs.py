@@ -95,7 +95,8 @@ class InputSchema:
     (0: no context); ``features``: the jagged input's features in model order; ``weighted_ids``: each
     id may carry a float weight; ``min_requests``: the fewest requests one forward takes (a graph
     with TorchAO's int8 dynamic quantization takes 2; the service pads); ``output``: scores, or
-    for an embedding shard (ids only: no rows or context input) pooled embeddings.
+    for an embedding shard (ids only: no rows or context input) pooled embeddings, each feature's
+    ``embedding_widths`` wide.
     """
 
     model: str
@@ -108,12 +109,17 @@ class InputSchema:
     limits: Limits = Limits()
     min_requests: int = 1
     output: Output = Output.SCORES
+    embedding_widths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         kinds = [t.kind for t in self.tags]
         if self.output == Output.EMBEDDINGS:
             if kinds != [BatchKind.JAGGED] or self.dense_features or self.context_features:
                 raise ValueError("inputs: an embedding shard takes one jagged input (ids) and nothing else")
+            if len(self.embedding_widths) != len(self.features):
+                raise ValueError("inputs: an embedding shard gives the width of each feature's embeddings")
+        elif self.embedding_widths:
+            raise ValueError("inputs: embedding_widths belong to an embedding shard")
         elif kinds.count(BatchKind.ROWS) != 1 or kinds.count(BatchKind.JAGGED) != 1:
             raise ValueError(
                 "inputs: the request decoder takes exactly one rows input (items' dense features) "
@@ -167,6 +173,7 @@ class InputSchema:
             limits=Limits(**raw["limits"]),
             min_requests=raw["min_requests"],
             output=Output(raw.get("output", Output.SCORES.value)),
+            embedding_widths=tuple(raw.get("embedding_widths", ())),
         )
 
     def save(self, path: Path) -> None:

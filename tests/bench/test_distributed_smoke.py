@@ -31,5 +31,7 @@ def test_distributed_smoke_scenario_scores_like_one_host_and_fails_over(tmp_path
     assert figures["failover_failed_requests"] == 0, figures["failover_statuses"]
     assert figures["shard_down_statuses"] == [503] * 5
     assert figures["di_100cand_items_per_s"] > 0 and figures["shard_rss_mib"] > 0
+    # the candidates share the user's bags: the shards answer each distinct bag once
+    assert figures["shard_answer_kib_per_request"] < 0.5 * figures["shard_answer_kib_per_request_all_bags"]
     for name in ("summary.txt", "distributed.png"):
         assert (out / name).stat().st_size > 0

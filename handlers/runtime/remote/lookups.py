@@ -3,23 +3,28 @@ tables, one call per shard, all in flight at once; their pooled embeddings put b
 feature order for the dense part.
 
     batch ids (JaggedIds, F features x N items)
-        ├─ features of shard a ─> gRPC Predictions(model "criteo-a") ─> embeddings [N, W_a]
-        └─ features of shard b ─> gRPC Predictions(model "criteo-b") ─> embeddings [N, W_b]
+        ├─ features of shard a, distinct bags ─> gRPC Predictions(model "criteo-a") ─> embeddings
+        └─ features of shard b, distinct bags ─> gRPC Predictions(model "criteo-b") ─> embeddings
     -> [N, F, D] (or [N, sum of widths]) in the model's feature order
 
-(W_s: the widths of the shard's features, summed; each item's pooled embeddings, feature after
-feature.)
+Each distinct bag is sent once: a bag equal to the one before it in its feature (the item before
+it) is left out and answered with that one's embedding. Ranking requests repeat the user's
+features in each of their candidates, so most of a request's bags go once instead of once per
+candidate (``distinct_ids``).
 
-A call is a KServe v2 binary request (``sparse_features.lengths`` [F_s, N], ``.values``,
-``.weights``) carried in TorchServe's gRPC ``PredictionsRequest``, answered with one FP32 tensor,
-``embeddings``. ``ShardCaller`` makes the calls of one shard: a live replica first (round robin),
-failing over to the next on any error but a refused request, within the shard's deadline
-(``plan.Deadline``); when every replica fails, the request is answered 503 naming the shard.
+A call is a KServe v2 binary request (``sparse_features.lengths`` [F_s, n], ``.values``,
+``.weights``, and ``.bags`` [F_s]: feature f's bags are its first bags_f items) carried in
+TorchServe's gRPC ``PredictionsRequest``, answered with one FP32 tensor, ``embeddings``: each
+feature's [bags_f, D_f] block, feature after feature, flat. ``ShardCaller`` makes the calls of
+one shard: a live replica first (round robin), failing over to the next on any error but a
+refused request, within the shard's deadline (``plan.Deadline``); when every replica fails, the
+request is answered 503 naming the shard.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import time
@@ -72,23 +77,12 @@ class ShardedLookups:
         self.shards = list(shards)
         self.jagged = jagged
         self.weighted = weighted
-        self.num_features = len(features)
         self.stacked = stacked
         position = {f: i for i, f in enumerate(features)}
         placed = [f for s in self.shards for f in s.route.features]
         if sorted(placed) != sorted(features):
             raise ValueError(f"shards: serve features {sorted(placed)}, the model has {sorted(features)}")
         self.feature_rows = [[position[f] for f in s.route.features] for s in self.shards]
-        # The shards' answers side by side hold each feature's columns somewhere: gather them
-        # back in model order.
-        columns: dict[str, list[int]] = {}
-        start = 0
-        for shard in self.shards:
-            for feature, width in zip(shard.route.features, shard.route.widths):
-                columns[feature] = list(range(start, start + width))
-                start += width
-        self.columns = torch.tensor([c for f in features for c in columns[f]])
-        self.widths = [sum(s.route.widths) for s in self.shards]
 
     def take_counts(self) -> collections.Counter:
         """What the shard calls did since the last take (``ShardCaller.counts``), for metrics."""
@@ -103,24 +97,37 @@ class ShardedLookups:
     def __call__(self, batch: Batch) -> torch.Tensor:
         ids = batch[self.jagged]
         assert isinstance(ids, JaggedIds)
-        num_items = ids.lengths.shape[1]
-        totals = ids.lengths.sum(dim=1).tolist()  # ids per feature
-        starts = [0, *itertools.accumulate(totals)]
+        sent = distinct_ids(ids)
+        bags = sent.bags.tolist()
+        starts = [0, *itertools.accumulate(sent.ids.lengths.sum(dim=1).tolist())]  # each feature's ids
         pending = [
-            shard.call(*encode_request(self._inputs(ids, rows, starts), outputs=(EMBEDDINGS,)))
+            shard.call(*encode_request(self._inputs(sent.ids, rows, starts, bags), outputs=(EMBEDDINGS,)))
             for shard, rows in zip(self.shards, self.feature_rows)
         ]
-        parts = [call.result().reshape(num_items, width) for call, width in zip(pending, self.widths)]
-        embeddings = torch.cat(parts, dim=1).index_select(1, self.columns)
-        return embeddings.reshape(num_items, self.num_features, -1) if self.stacked else embeddings
+        columns: dict[int, torch.Tensor] = {}  # model feature -> [N, D_f]
+        for shard, call, rows in zip(self.shards, pending, self.feature_rows):
+            widths = shard.route.widths
+            sizes = [bags[f] * width for f, width in zip(rows, widths)]
+            answer = call.result().reshape(-1)
+            if answer.numel() != sum(sizes):
+                raise InternalError(
+                    f"shard {shard.route.name} answered {answer.numel()} values for {sum(sizes)} "
+                    "(its features' bags x widths)"
+                )
+            for f, width, block in zip(rows, widths, answer.split(sizes)):
+                columns[f] = block.view(bags[f], width).index_select(0, sent.row[f])  # [N, D_f]
+        embeddings = torch.cat([columns[f] for f in range(len(bags))], dim=1)
+        return embeddings.reshape(embeddings.shape[0], len(bags), -1) if self.stacked else embeddings
 
-    def _inputs(self, ids: JaggedIds, rows: list[int], starts: list[int]) -> dict[str, np.ndarray]:
-        """One shard's share of the batch's ids: its features' bags, in its order; ``starts``:
-        where each feature's ids begin in ``ids.values`` (and, last, their total)."""
+    def _inputs(self, ids: JaggedIds, rows: list[int], starts: list[int], bags: list[int]) -> dict[str, np.ndarray]:
+        """One shard's share of the distinct bags: its features', in its order; ``starts``: where
+        each feature's ids begin in ``ids.values`` (and, last, their total)."""
         pieces = [slice(starts[f], starts[f + 1]) for f in rows]
+        shard_bags = [bags[f] for f in rows]
         inputs = {
-            f"{self.jagged}.lengths": ids.lengths[rows].numpy(),
+            f"{self.jagged}.lengths": ids.lengths[rows, : max(shard_bags)].numpy(),
             f"{self.jagged}.values": torch.cat([ids.values[p] for p in pieces]).numpy(),
+            f"{self.jagged}.bags": np.array(shard_bags, dtype=np.int64),
         }
         if self.weighted:
             assert ids.weights is not None
@@ -128,11 +135,59 @@ class ShardedLookups:
         return inputs
 
 
+@dataclasses.dataclass(frozen=True)
+class DistinctIds:
+    """A batch's distinct bags (``distinct_ids``): ``ids`` holds each feature's distinct bags
+    first, in order, then empty bags (lengths [F, N]); ``bags`` [F]: how many each feature has;
+    ``row`` [F, N]: which of its feature's distinct bags each item's bag is."""
+
+    ids: JaggedIds
+    bags: torch.Tensor
+    row: torch.Tensor
+
+
+def distinct_ids(ids: JaggedIds) -> DistinctIds:
+    """Each bag that equals the one before it in its feature (same ids, same weights) is left
+    out and mapped to it. Only neighbours are compared (one pass over the ids): the items of a
+    request that repeat the user's features are neighbours."""
+    num_features, num_items = ids.lengths.shape
+    lengths = ids.lengths.reshape(-1)  # bag b: feature b // N, item b % N
+    bag_of_id = torch.repeat_interleave(torch.arange(len(lengths)), lengths, output_size=len(ids.values))
+    # The id at the same place in the bag before; meaningful where the two bags are equally long.
+    before = (torch.arange(len(ids.values)) - lengths[bag_of_id]).clamp(min=0)
+    differs = ids.values != ids.values[before]
+    if ids.weights is not None:
+        differs |= ids.weights != ids.weights[before]
+    mismatched = torch.zeros(len(lengths), dtype=torch.int64).index_add_(0, bag_of_id, differs.to(torch.int64))
+    repeats = torch.zeros(len(lengths), dtype=torch.bool)
+    repeats[1:] = (lengths[1:] == lengths[:-1]) & (mismatched[1:] == 0)
+    repeats = repeats.reshape(num_features, num_items)
+    repeats[:, 0] = False  # a feature's first item: the bag before it is another feature's
+    kept = ~repeats
+    row = kept.cumsum(dim=1) - 1
+    bags = row[:, -1] + 1
+    features, items = kept.nonzero(as_tuple=True)
+    distinct_lengths = torch.zeros_like(ids.lengths)
+    distinct_lengths[features, row[features, items]] = ids.lengths[features, items]
+    kept_ids = torch.repeat_interleave(kept.reshape(-1), lengths, output_size=len(ids.values))
+    distinct = JaggedIds(
+        lengths=distinct_lengths,
+        values=ids.values[kept_ids],
+        weights=None if ids.weights is None else ids.weights[kept_ids],
+    )
+    return DistinctIds(distinct, bags, row)
+
+
 class ShardCaller:
     """The gRPC calls of one shard, over its replicas (``route.replicas``), with fail-over within
     its deadline. ``counts`` sums what it did, for the handler's metrics: calls by outcome
     (``ok`` or the gRPC status of a failed attempt) and call milliseconds, keyed as
-    ``(metric, labels)``."""
+    ``(metric, labels)``.
+
+    Each attempt is a blocking gRPC call on the shard's own thread: gRPC's ``future()`` would start
+    a thread to poll the channel whenever none of its calls is in flight, which at one forward at a
+    time is once per call (measured: a fifth of a dense host's CPU). A worker runs one forward at a
+    time, so one thread per shard is enough."""
 
     def __init__(self, route: ShardRoute, deadline: Deadline) -> None:
         import grpc  # only dense hosts talk gRPC
@@ -147,6 +202,7 @@ class ShardCaller:
         self._messages = messages()
         self._channels = [grpc.insecure_channel(r, options=CHANNEL_OPTIONS) for r in route.replicas]
         self._stubs = [inference_stub(c) for c in self._channels]
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"shard-{route.name}")
         self._down_until = [0.0] * len(route.replicas)
         self._turn = itertools.count()
         self._recent: collections.deque[float] = collections.deque(maxlen=MEASURED_CALLS)
@@ -195,6 +251,7 @@ class ShardCaller:
         return _Call(self, request)
 
     def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
         for channel in self._channels:
             channel.close()
 
@@ -239,7 +296,7 @@ class _Call:
         remaining = max(self.give_up_at - now, 0.001)
         live_after = any(not self.caller.is_down(r, now) for r in self.order)
         timeout = min(self.timeout_s, remaining) if live_after else remaining
-        self.future = self.caller._stubs[replica].Predictions.future(self.request, timeout=timeout)
+        self.future = self.caller._thread.submit(self.caller._stubs[replica].Predictions, self.request, timeout=timeout)
 
     def result(self) -> torch.Tensor:
         caller, grpc = self.caller, self.caller._grpc

@@ -17,7 +17,10 @@ The model's inputs are named tensors, laid out as the batch tags lay them out (`
 ``weights`` only for a model with weighted ids (optional: 1), ``context_features`` only for a model
 with a context input. JSON ``data`` is row-major, flat or nested. An embedding shard of a
 distributed layout takes only the ids and answers ``embeddings``, FP32 [n, W]: each item's pooled
-embeddings, feature after feature.
+embeddings, feature after feature. With ``sparse_features.bags`` (INT64 [F]: feature f's bags are
+its first bags_f items; the items after them must be empty) it answers only those, FP32
+[sum of bags_f x D_f]: feature after feature, each a row-major [bags_f, D_f] block. A dense host
+sends each distinct bag once this way (``handlers.runtime.remote.lookups``).
 
 **Binary tensors** (the v2 binary extension, what Triton's clients send by default): the body is
 the JSON header followed by the tensors' bytes, little-endian, row-major; the header's length
@@ -71,15 +74,24 @@ _OUTPUT_KEYS = frozenset({"name", "parameters"})
 class V2Encoder:
     """Answers in the v2 form: each requested output an FP32 tensor ([n] scores or logits, or an
     embedding shard's [n, W]), as JSON data or, for those in ``binary``, as bytes after the JSON
-    header."""
+    header. ``bags``: an embedding shard answers each feature's first bags_f items only, its
+    features ``widths`` wide (the request's ``bags`` input)."""
 
     model_name: str
     request_id: str | None = None
     outputs: tuple[str, ...] = ("scores",)
     binary: frozenset[str] = frozenset()
+    bags: tuple[int, ...] | None = None
+    widths: tuple[int, ...] = ()
 
     def answer(self, output: torch.Tensor) -> Response:
         if self.outputs == (EMBEDDINGS,):
+            if self.bags is not None:  # [n, W] -> each feature's [bags_f, D_f], flat
+                starts = itertools.accumulate(self.widths, initial=0)
+                output = torch.cat([
+                    output[:bags, start : start + width].reshape(-1)
+                    for bags, start, width in zip(self.bags, starts, self.widths)
+                ])
             values = {EMBEDDINGS: output}
         else:
             values = {"scores": torch.sigmoid(output), "logits": output}
@@ -135,6 +147,7 @@ class V2Decoder:
             "values": f"{jagged}.values",
             "weights": f"{jagged}.weights",
             "context": schema.context.name if schema.context else None,
+            "bags": f"{jagged}.bags" if self.embeddings else None,
         }
         known = {n for key, n in self.names.items() if n and (key != "weights" or schema.weighted_ids)}
         self.known = frozenset(known)
@@ -161,7 +174,10 @@ class V2Decoder:
             context = self._array(tensors, "context", FLOAT_TYPES, (1, self.schema.context_features))
             inputs[self.schema.context.name] = torch.from_numpy(context)
         outputs, binary_outputs = self._outputs(body.get("outputs"), parameters.get("binary_data_output"))
-        encoder = V2Encoder(self.model_name, request_id, outputs, binary_outputs)
+        bags = self._bags(tensors, rows.ids.lengths.numpy()) if self.names["bags"] in tensors else None
+        encoder = V2Encoder(
+            self.model_name, request_id, outputs, binary_outputs, bags, self.schema.embedding_widths
+        )
         return DecodedRequest(RequestInputs(rows.dense.shape[0], inputs), encoder, rows.hashed_ids)
 
     @staticmethod
@@ -268,6 +284,23 @@ class V2Decoder:
                 else np.ones(len(ids), dtype=np.float32)
             )
         return DecodedRows.from_arrays(dense, lengths, ids, weights, hashed)
+
+    def _bags(self, tensors: dict[str, _Tensor], lengths: np.ndarray) -> tuple[int, ...]:
+        """An embedding shard's ``bags`` [F]: how many leading items of each feature hold its bags
+        (and are answered); every item after them must be an empty bag."""
+        field = tensors[self.names["bags"]].field
+        bags = self._array(tensors, "bags", INT_TYPES, (len(self.schema.features),))
+        num_items = lengths.shape[1]
+        if ((bags < 0) | (bags > num_items)).any():
+            raise BadRequest(field, f"each must be in [0, {num_items}] (the items), got {bags.tolist()}")
+        past = np.arange(num_items)[None, :] >= bags[:, None]
+        if (lengths[past] != 0).any():
+            f, i = np.argwhere(past & (lengths != 0))[0]
+            raise BadRequest(
+                f"{tensors[self.names['lengths']].field} (feature {self.schema.feature_names[f]}, item {i})",
+                f"must be 0: the feature's bags end at item {bags[f]} (bags), so this one would not be answered",
+            )
+        return tuple(bags.tolist())
 
     def _array(
         self,

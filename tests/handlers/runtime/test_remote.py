@@ -24,9 +24,9 @@ from handlers.modeling.registry import input_schema
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.errors import InternalError, ShardUnavailable
 from handlers.runtime.batching import coalesce
-from handlers.runtime.inputs import Output
+from handlers.runtime.inputs import JaggedIds, Output
 from handlers.runtime.options import HandlerOptions
-from handlers.runtime.remote.lookups import InProcessShard, ShardCaller, ShardedLookups
+from handlers.runtime.remote.lookups import InProcessShard, ShardCaller, ShardedLookups, distinct_ids
 from handlers.runtime.remote.plan import PLACEMENT_ENV, Deadline, RemotePlan, ShardRoute, read_placement
 from handlers.runtime.wire.decoder import RequestDecoder
 from handlers.runtime.wire.messages import BinaryBody, Rejected
@@ -72,6 +72,92 @@ def test_shards_answers_in_model_order_equal_the_whole_models_lookups(model, siz
         stacked=expected.dim() == 3,
     )
     torch.testing.assert_close(lookups(batch), expected, atol=0, rtol=0)
+
+
+def _candidates_request(spec, num_items: int, seed: int, varying: str) -> dict:
+    """A ranking request: the user's bags repeated in every candidate, ``varying`` drawn per item."""
+    request = items_request(spec, num_items, seed=seed, max_bag=4)
+    user = request["items"][0]["sparse"]
+    for item in request["items"]:
+        item["sparse"] = {f: item["sparse"][f] if f == varying else user[f] for f in user}
+    return request
+
+
+class _Recording:
+    """An in-process shard that keeps the bags counts of what it was sent."""
+
+    def __init__(self, shard: InProcessShard) -> None:
+        self.shard, self.route, self.sent = shard, shard.route, []
+
+    def call(self, body: bytes, json_length: int):
+        self.sent.append(_request_arrays(body, json_length)["sparse_features.bags"].tolist())
+        return self.shard.call(body, json_length)
+
+
+def _request_arrays(body: bytes, json_length: int) -> dict[str, np.ndarray]:
+    header = orjson.loads(body[:json_length])
+    arrays, offset = {}, json_length
+    for tensor in header["inputs"]:
+        size = tensor["parameters"]["binary_data_size"]
+        arrays[tensor["name"]] = np.frombuffer(body[offset : offset + size], dtype=np.int64 if tensor["datatype"] == "INT64" else np.float32)
+        offset += size
+    return arrays
+
+
+def test_repeated_bags_are_sent_once_and_answered_as_the_whole_model(model, tmp_path):
+    spec, weights = model
+    schema = input_schema(spec)
+    decoder = RequestDecoder(schema)
+    varying = spec.feature_names[1]
+    requests = [_candidates_request(spec, n, seed=n, varying=varying) for n in (30, 1, 12)]
+    batch = coalesce([decoder.decode(r).inputs for r in requests], schema.tags)
+    with torch.inference_mode():
+        expected = EagerModel(DLRMFactory(spec).lookups(weights), (schema.jagged,))(batch)
+    shards = [_Recording(s) for s in _shards(spec, weights, tmp_path)]
+    lookups = ShardedLookups(shards, spec.feature_names, schema.jagged.name, spec.weighted_ids, stacked=expected.dim() == 3)
+    torch.testing.assert_close(lookups(batch), expected, atol=0, rtol=0)
+    sent = {f: bags for s in shards for f, bags in zip(s.route.features, s.sent[0])}
+    for f in spec.feature_names:  # the user's bags once a request (fewer where neighbours agree)
+        assert sent[f] <= 43 if f == varying else 1 <= sent[f] <= 3, (f, sent[f])
+
+
+def test_distinct_ids_keep_each_bag_that_differs_from_the_one_before():
+    # feature 0: [1 2] [1 2] [] [] [1 2] ; feature 1: [3] [3] weights differ, [3] [4] [4]
+    ids = JaggedIds(
+        lengths=torch.tensor([[2, 2, 0, 0, 2], [1, 1, 1, 1, 1]]),
+        values=torch.tensor([1, 2, 1, 2, 1, 2, 3, 3, 3, 4, 4]),
+        weights=torch.tensor([1.0, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2]),
+    )
+    sent = distinct_ids(ids)
+    assert sent.bags.tolist() == [3, 3]
+    assert sent.row.tolist() == [[0, 0, 1, 1, 2], [0, 1, 1, 2, 2]]
+    assert sent.ids.lengths.tolist() == [[2, 0, 2, 0, 0], [1, 1, 1, 0, 0]]
+    assert sent.ids.values.tolist() == [1, 2, 1, 2, 3, 3, 4]
+    assert sent.ids.weights.tolist() == [1, 1, 1, 1, 1, 2, 2]
+
+
+def test_a_shard_answers_only_the_bags_it_is_told_of(tiny_spec):
+    spec = _placed(tiny_spec, {"t_user": "a", "t_item": "a", "t_category": "b", "t_hour": "b"})
+    schema = shard_schema(spec.shard_spec("a"), spec.limits.to_limits())
+    assert schema.embedding_widths == (8, 8, 8)
+    decoder = RequestDecoder(schema)
+    lengths = np.array([[1, 0, 0], [2, 1, 0], [1, 1, 1]])
+
+    def decode(bags):
+        inputs = {"sparse_features.lengths": lengths, "sparse_features.values": np.arange(lengths.sum()),
+                  "sparse_features.bags": np.array(bags)}
+        return decoder.decode(BinaryBody(*encode_request(inputs, outputs=("embeddings",))))
+
+    answer = decode([1, 2, 3]).encoder.answer(torch.arange(72, dtype=torch.float32).reshape(3, 24))
+    embeddings = decode_response(answer.body, int(answer.headers["Inference-Header-Content-Length"]))["embeddings"]
+    assert embeddings.tolist() == [*range(0, 8), *range(8, 16), *range(32, 40), *range(16, 24), *range(40, 48), *range(64, 72)]
+    for bags, message in [
+        ([1, 2], r"inputs\[2\] \(sparse_features.bags\).shape: must be \[3\], got \[2\]"),
+        ([1, 4, 3], r"each must be in \[0, 3\]"),
+        ([1, 1, 3], r"feature item_id, item 1\): must be 0: the feature's bags end at item 1"),
+    ]:
+        with pytest.raises(Rejected, match=message):
+            decode(bags)
 
 
 def test_a_shard_takes_v2_ids_only_and_answers_embeddings(tiny_spec):
