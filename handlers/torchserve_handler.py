@@ -42,7 +42,7 @@ from handlers.runtime.remote.lookups import ShardedLookups
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH
 from handlers.runtime.wire.transport import Arrival
-from handlers.torchserve_metrics import MetricsPublisher
+from handlers.torchserve_metrics import MetricsPublisher, quiet_per_batch_lines
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class DLRMHandler:
             freshness.start(self.service.model)  # the model's delta log replayed before the first request
             self.service.model = LockedRunner(self.service.model, freshness.lock)
         self.metrics = MetricsPublisher(options.metrics_flush_s)
+        quiet_per_batch_lines()
         lookups = getattr(self.service.model, "sparse", None)  # a dense host's calls to its shards
         self.shard_calls = lookups if isinstance(lookups, ShardedLookups) else None
         gc.collect()

@@ -20,12 +20,16 @@ Every metric TorchServe's worker publishes is a log line the frontend parses, pe
 So the counts are summed in the worker and published at most every ``metrics_flush_s`` (at the
 first batch after it elapses; 0: every batch): a handful of lines a second under load, not a dozen
 per batch. A describe call (``GET /models/NAME?customized=true``) flushes them at once; counts of
-the last interval before a worker stops are not published.
+the last interval before a worker stops are not published. For the same reason the two lines
+TorchServe's worker writes for every batch (``Backend received inference at: ...`` and its
+``PredictionTime`` metric, which ``HandlerStageMilliseconds`` covers) are dropped
+(``quiet_per_batch_lines``).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from typing import Any
 
@@ -71,3 +75,20 @@ class MetricsPublisher:
             # idx 0: the line carries one request id, not the whole batch's
             context.metrics.add_counter(name, value, 0, dimensions)
         self._pending.clear()
+
+
+class _PerBatchLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.msg
+        return not (
+            isinstance(message, str)
+            and (message.startswith("Backend received inference at") or message.startswith("[METRICS]PredictionTime"))
+        )
+
+
+def quiet_per_batch_lines() -> None:
+    """Drops TorchServe's own per-batch worker lines: each is written to the worker's stdout, then
+    read and parsed by the frontend. Warnings, errors and the handler's own lines still go out."""
+    quiet = _PerBatchLines()
+    for handler in logging.getLogger().handlers:  # the worker's stdout, where both lines go
+        handler.addFilter(quiet)
