@@ -10,6 +10,9 @@ same load, one after the other. Written to ``distributed.json``:
 * ``max_score_diff``: the layout's scores against the single host's, on the same requests;
 * ``shard_answer_kib_per_request``: the pooled embeddings the shards answer for one request (each
   distinct bag once), against ``shard_answer_kib_per_request_all_bags`` (every item's every bag);
+* ``shard_lookups_p50_ms``: a dense host's calls to both shards for one 100-candidate request,
+  made from this process one at a time, and ``shard_handler_ms_per_call``: the part of each call
+  spent in shard ``b``'s handler (its stage times); the rest is the trip through TorchServe;
 * ``single_host_rss_mib``, ``shard_rss_mib`` (the largest shard host), ``dense_rss_mib``,
   ``shard_rss_ratio``: the model workers' RSS after the runs (tables pinned in memory: all counted);
 * ``failover_failed_requests``: one of shard ``a``'s replicas stopped, then started again, under
@@ -25,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import matplotlib
@@ -35,6 +39,7 @@ import numpy as np  # noqa: E402
 import orjson  # noqa: E402
 import requests  # noqa: E402
 import torch  # noqa: E402
+import yaml  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -48,7 +53,9 @@ from handlers.modeling.factory import DLRMFactory  # noqa: E402
 from handlers.modeling.registry import input_schema, load_spec  # noqa: E402
 from handlers.modeling.spec import ModelSpec  # noqa: E402
 from handlers.runtime.batching import coalesce  # noqa: E402
-from handlers.runtime.remote.lookups import distinct_ids  # noqa: E402
+from handlers.runtime.options import HandlerOptions  # noqa: E402
+from handlers.runtime.remote.lookups import ShardCaller, ShardedLookups, distinct_ids  # noqa: E402
+from handlers.runtime.remote.plan import read_placement  # noqa: E402
 from handlers.runtime.wire.decoder import RequestDecoder  # noqa: E402
 
 
@@ -112,6 +119,7 @@ def run_distributed(scenario: DistributedScenario, out_dir: Path) -> dict:
     with LocalLayout(layout) as running:
         dense = running.dense[0]
         distributed = _measure(dense, f"{name}-dense", candidates, scenario.duration_s)
+        figures.update(_shard_hop(running, spec, candidates, scenario.duration_s))
         figures["shard_rss_mib_by_host"] = {
             f"{shard}-{i}": worker_memory(host.process.pid).rss_mib
             for shard, hosts in running.shards.items() for i, host in enumerate(hosts)
@@ -176,6 +184,54 @@ def _answer_kib(spec: ModelSpec, traffic: Traffic) -> dict[str, float]:
         sent.append(float((distinct_ids(ids).bags * dims).sum()) * 4 / 1024)
         every.append(ids.lengths.shape[1] * float(dims.sum()) * 4 / 1024)
     return {"shard_answer_kib_per_request": float(np.mean(sent)), "shard_answer_kib_per_request_all_bags": float(np.mean(every))}
+
+
+def _shard_hop(layout: LocalLayout, spec: ModelSpec, traffic: Traffic, duration_s: float) -> dict:
+    """The dense host's sparse part run from this process (the dense archive's plan, the layout's
+    shards), one request at a time, and shard ``b``'s handler time per call over the same calls."""
+    store = layout.layout.model_store
+    archive = store / layout.layout.dense.in_store(store)
+    if archive.is_dir():
+        config = (archive / "model-config.yaml").read_text()
+    else:
+        with zipfile.ZipFile(archive) as mar:
+            config = mar.read("model-config.yaml").decode()
+    options = HandlerOptions.from_mapping(yaml.safe_load(config)["handler"])
+    assert options.remote is not None
+    plan = options.remote.placed(read_placement(layout.placement_file))
+    callers = [ShardCaller(route, plan.deadline) for route in plan.shards]
+    schema = input_schema(spec)
+    decoder = RequestDecoder(schema)
+    batches = [coalesce([decoder.decode(body).inputs], schema.tags) for body in traffic.bodies]
+    try:
+        for caller in callers:
+            caller.connect(timeout_s=10)
+        lookups = ShardedLookups(callers, schema.feature_names, schema.jagged.name, schema.weighted_ids, plan.stacked)
+        (host_b,) = layout.shards["b"]
+        model_b = layout.layout.shards["b"].model
+        before = _stage_ms(host_b, model_b)
+        times = []
+        ends = time.perf_counter() + duration_s
+        while time.perf_counter() < ends:
+            started = time.perf_counter()
+            lookups(batches[len(times) % len(batches)])
+            times.append((time.perf_counter() - started) * 1000)
+        handler_ms = (_stage_ms(host_b, model_b) - before) / len(times)
+    finally:
+        for caller in callers:
+            caller.close()
+    return {"shard_lookups_p50_ms": float(np.median(times)), "shard_handler_ms_per_call": handler_ms}
+
+
+def _stage_ms(server: LocalTorchServe, model: str) -> float:
+    """The model's handler time so far (``HandlerStageMilliseconds``, all stages)."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(server.scrape(model))
+        if family.name == "HandlerStageMilliseconds"
+        for sample in family.samples
+        if sample.name.endswith("_total") or sample.name == family.name
+    )
 
 
 def _build(spec_path: Path, store: Path, args: tuple[str, ...]) -> None:
@@ -269,7 +325,7 @@ def _summary(figures: dict) -> str:
     for key in ("single_host_100cand_items_per_s", "di_100cand_items_per_s", "single_host_p50_ms", "di_p50_ms",
                 "single_host_p99_ms", "di_p99_ms", "single_host_rss_mib", "shard_rss_mib", "dense_rss_mib",
                 "failover_requests", "shard_down_answer_ms", "shard_answer_kib_per_request",
-                "shard_answer_kib_per_request_all_bags"):
+                "shard_answer_kib_per_request_all_bags", "shard_lookups_p50_ms", "shard_handler_ms_per_call"):
         lines.append(f"  {key:<34}{figures[key]:>14,.6g}")
     lines.append(f"  shard_down_statuses {figures['shard_down_statuses']}")
     return "\n".join(lines) + "\n"

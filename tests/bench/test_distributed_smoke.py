@@ -33,5 +33,6 @@ def test_distributed_smoke_scenario_scores_like_one_host_and_fails_over(tmp_path
     assert figures["di_100cand_items_per_s"] > 0 and figures["shard_rss_mib"] > 0
     # the candidates share the user's bags: the shards answer each distinct bag once
     assert figures["shard_answer_kib_per_request"] < 0.5 * figures["shard_answer_kib_per_request_all_bags"]
+    assert 0 < figures["shard_handler_ms_per_call"] < figures["shard_lookups_p50_ms"]
     for name in ("summary.txt", "distributed.png"):
         assert (out / name).stat().st_size > 0
