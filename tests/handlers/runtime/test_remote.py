@@ -117,8 +117,11 @@ def test_repeated_bags_are_sent_once_and_answered_as_the_whole_model(model, tmp_
     lookups = ShardedLookups(shards, spec.feature_names, schema.jagged.name, spec.weighted_ids, stacked=expected.dim() == 3)
     torch.testing.assert_close(lookups(batch), expected, atol=0, rtol=0)
     sent = {f: bags for s in shards for f, bags in zip(s.route.features, s.sent[0])}
-    for f in spec.feature_names:  # the user's bags once a request (fewer where neighbours agree)
-        assert sent[f] <= 43 if f == varying else 1 <= sent[f] <= 3, (f, sent[f])
+    for f in spec.feature_names:
+        if f == varying:  # drawn per item: most of the 43 bags differ from their neighbour's
+            assert 20 < sent[f] <= 43, sent
+        else:  # the user's bags: once a request (fewer where neighbouring requests agree)
+            assert 1 <= sent[f] <= 3, sent
 
 
 def test_distinct_ids_keep_each_bag_that_differs_from_the_one_before():
