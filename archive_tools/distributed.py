@@ -209,10 +209,15 @@ def split_delta(dense_archive: Path, rows: Path, sequence: int) -> list[DeltaSum
         return written
 
 
+def archive_options(archive: Path) -> HandlerOptions:
+    """What ``archive`` (a folder or a ``.mar``) tells its worker to load: its model-config.yaml."""
+    with tempfile.TemporaryDirectory(prefix="archive-config-") as tmp:
+        return handler_options(_files_of(Path(archive), ["model-config.yaml"], Path(tmp)))
+
+
 def is_dense_archive(archive: Path) -> bool:
     """Whether ``archive`` is the dense archive of a distributed layout (its tables on shards)."""
-    with tempfile.TemporaryDirectory(prefix="archive-config-") as tmp:
-        return handler_options(_files_of(Path(archive), ["model-config.yaml"], Path(tmp))).remote is not None
+    return archive_options(archive).remote is not None
 
 
 def _files_of(archive: Path, names: list[str], into: Path) -> Path:

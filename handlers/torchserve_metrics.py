@@ -78,12 +78,12 @@ class MetricsPublisher:
 
 
 class _PerBatchLines(logging.Filter):
+    """Lets through every record but TorchServe's two per-batch lines."""
+
+    LINES = ("Backend received inference at", "[METRICS]PredictionTime")
+
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.msg
-        return not (
-            isinstance(message, str)
-            and (message.startswith("Backend received inference at") or message.startswith("[METRICS]PredictionTime"))
-        )
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.LINES))
 
 
 def quiet_per_batch_lines() -> None:
