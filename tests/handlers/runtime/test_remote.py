@@ -26,7 +26,7 @@ from handlers.runtime.errors import InternalError, ShardUnavailable
 from handlers.runtime.batching import coalesce
 from handlers.runtime.inputs import JaggedIds, Output
 from handlers.runtime.options import HandlerOptions
-from handlers.runtime.remote.lookups import InProcessShard, ShardCaller, ShardedLookups, distinct_ids
+from handlers.runtime.remote.lookups import Answered, InProcessShard, ShardCaller, ShardedLookups, distinct_ids
 from handlers.runtime.remote.plan import PLACEMENT_ENV, Deadline, RemotePlan, ShardRoute, read_placement
 from handlers.runtime.wire.decoder import RequestDecoder
 from handlers.runtime.wire.messages import BinaryBody, Rejected
@@ -49,10 +49,10 @@ def model(request, tiny_spec, tiny_weights, ranker_spec, ranker_weights):
 
 def _shards(spec, weights, tmp_path) -> list[InProcessShard]:
     shards = []
-    for name, tables in spec.shards.items():
+    for name in spec.shards:
         shard_spec = spec.shard_spec(name)
         stage_shard(tmp_path / name, shard_spec, weights.tables, spec.limits.to_limits())
-        route = ShardRoute(name, shard_spec.name, shard_spec.feature_names, tuple(t.dim for t in tables for _ in t.features))
+        route = ShardRoute(name, shard_spec.name, shard_spec.feature_names, shard_spec.feature_dims)
         shards.append(InProcessShard(route, load_service(tmp_path / name, HandlerOptions(Artifact.LOOKUPS))))
     return shards
 
@@ -122,6 +122,20 @@ def test_repeated_bags_are_sent_once_and_answered_as_the_whole_model(model, tmp_
             assert 20 < sent[f] <= 43, sent
         else:  # the user's bags: once a request (fewer where neighbouring requests agree)
             assert 1 <= sent[f] <= 3, sent
+
+
+def test_a_shard_answering_the_wrong_number_of_embeddings_is_a_500_naming_it(tiny_spec):
+    class Short:
+        route = ShardRoute("a", "tiny-a", tiny_spec.feature_names, tiny_spec.feature_dims)
+
+        def call(self, body: bytes, json_length: int) -> Answered:
+            return Answered(torch.zeros(3))
+
+    schema = input_schema(tiny_spec)
+    batch = coalesce([RequestDecoder(schema).decode(items_request(tiny_spec, 2, seed=0)).inputs], schema.tags)
+    lookups = ShardedLookups([Short()], tiny_spec.feature_names, schema.jagged.name, tiny_spec.weighted_ids, stacked=True)
+    with pytest.raises(InternalError, match=r"shard a answered 3 values for \d+ \(its features' bags x widths\)"):
+        lookups(batch)
 
 
 def test_distinct_ids_keep_each_bag_that_differs_from_the_one_before():
