@@ -23,6 +23,11 @@ transition (register 2.0, set it default, unregister 1.0). Writes
   the idle stretches, and over the publishing stretches (each at least 2 s);
 * ``typical_second_p99_ms_idle``, ``typical_second_p99_ms_during``: the median over those seconds
   of each second's p99, which a stall of the machine in one second does not move;
+* ``machine_stalls``: ``[second of the run, ms]`` of each stall of the machine itself, seen by a
+  process that only sleeps (``benchmarks.stalls``); ``machine_stalls_idle``,
+  ``machine_stalls_during``: how many fell in the idle and in the publishing stretches;
+  ``serving_p99_ms_idle_outside_stalls``, ``serving_p99_ms_during_outside_stalls``,
+  ``serving_p99_ratio_outside_stalls``: the p99s again without the requests in flight during one;
 * ``failed_requests``: non-200 answers over the whole run;
 * ``rss_growth_mib``: the server's anonymous memory (frontend and workers, ``RssAnon``), after the
   publishing against before; mapped table pages that the writer touched are page cache, shared
@@ -34,7 +39,7 @@ transition (register 2.0, set it default, unregister 1.0). Writes
   the same archive under another version (its files hard links of 1.0's: no second 6 GiB on
   disk), so the figure is TorchServe's transition itself.
 
-``freshness.png``: the p99 of each second over the run, each publish marked.
+``freshness.png``: the p99 of each second over the run, each publish and machine stall marked.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import matplotlib
 
@@ -62,6 +68,7 @@ from archive_tools.local_server import LocalTorchServe  # noqa: E402
 from benchmarks.load import BackgroundLoad, LoadResult, run_closed_loop  # noqa: E402
 from benchmarks.reliability import max_load, ok  # noqa: E402
 from benchmarks.scenarios import MODELS  # noqa: E402
+from benchmarks.stalls import MachineStalls, overlaps  # noqa: E402
 from benchmarks.traffic import TrafficModel  # noqa: E402
 from handlers.modeling.factory import DLRMFactory  # noqa: E402
 from handlers.modeling.registry import load_spec  # noqa: E402
@@ -137,7 +144,7 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
         rate = 0.5 * figures["max_load_rps"]
         figures["load_rps"] = rate
         progress = tqdm(total=len(deltas) + 2, desc=scenario.name, unit="step")
-        with BackgroundLoad(url, auth, traffic, rate) as load:
+        with MachineStalls() as stalls, BackgroundLoad(url, auth, traffic, rate) as load:
             memory_before = _server_memory(server)
             copy = Path(_state(server, name)["tables_file"]).parent  # the state beside the working copy
             sequence = 0
@@ -198,6 +205,11 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
         "serving_p99_ms_during": _p99_ms(result, *publishing),
         "typical_second_p99_ms_idle": _typical_second_p99_ms(result, idle),
         "typical_second_p99_ms_during": _typical_second_p99_ms(result, publishing),
+        "machine_stalls": [[float(at - result.events[0][0]), late * 1000] for at, late in stalls.found],
+        "machine_stalls_idle": sum(1 for at, _ in stalls.found if any(a <= at < b for a, b in idle)),
+        "machine_stalls_during": sum(1 for at, _ in stalls.found if any(a <= at < b for a, b in publishing)),
+        "serving_p99_ms_idle_outside_stalls": _p99_ms(result, *idle, stalls=stalls.found),
+        "serving_p99_ms_during_outside_stalls": _p99_ms(result, *publishing, stalls=stalls.found),
         "failed_requests": _failed(result, result.events[0][0], float("inf")),
         "statuses": result.statuses,
         "rss_growth_mib": memory_after["anon_mib"] - memory_before["anon_mib"],
@@ -212,9 +224,11 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
         "version_swap_p99_ms": _p99_ms(result, (swap[0], swap[1] + 1.0)),
     })
     figures["serving_p99_ratio"] = figures["serving_p99_ms_during"] / figures["serving_p99_ms_idle"]
+    figures["serving_p99_ratio_outside_stalls"] = (
+        figures["serving_p99_ms_during_outside_stalls"] / figures["serving_p99_ms_idle_outside_stalls"])
     (out_dir / "freshness.json").write_bytes(orjson.dumps(figures, option=orjson.OPT_INDENT_2))
     (out_dir / "summary.txt").write_text(_summary(figures))
-    _plot(result, marks, {"idle": idle, "publishing": publishing, "dense": [dense], "rollback": [rollback],
+    _plot(result, marks, stalls.found, {"idle": idle, "publishing": publishing, "dense": [dense], "rollback": [rollback],
                           "version": [swap]}, out_dir / "freshness.png")
     print(_summary(figures))
     return figures
@@ -323,14 +337,18 @@ def _in(result: LoadResult, start: float, end: float) -> list[tuple[float, float
     return [e for e in result.events if start <= e[0] < end]
 
 
-def _latencies_ms(result: LoadResult, spans: tuple[tuple[float, float], ...]) -> list[tuple[float, float]]:
-    """(sent, latency in ms) of the requests sent within ``spans`` and answered 200."""
+def _latencies_ms(
+    result: LoadResult, spans: tuple[tuple[float, float], ...], stalls: Sequence[tuple[float, float]] = ()
+) -> list[tuple[float, float]]:
+    """(sent, latency in ms) of the requests sent within ``spans`` and answered 200, leaving out
+    those in flight during one of ``stalls``."""
     return [(sent, (answered - sent) * 1000) for start, end in spans
-            for sent, answered, status in _in(result, start, end) if status == "200"]
+            for sent, answered, status in _in(result, start, end)
+            if status == "200" and not overlaps(stalls, sent, answered)]
 
 
-def _p99_ms(result: LoadResult, *spans: tuple[float, float]) -> float:
-    latencies = [ms for _, ms in _latencies_ms(result, spans)]
+def _p99_ms(result: LoadResult, *spans: tuple[float, float], stalls: Sequence[tuple[float, float]] = ()) -> float:
+    latencies = [ms for _, ms in _latencies_ms(result, spans, stalls)]
     if not latencies:
         raise RuntimeError(f"no request answered 200 in the {sum(b - a for a, b in spans):.2f} s measured")
     return float(np.percentile(latencies, 99))
@@ -357,7 +375,9 @@ def _summary(figures: dict) -> str:
         met = value >= limit if op == ">=" else value <= limit
         lines.append(f"  {key:<32}{_fmt(value):>14}  target {op} {bound} ({_fmt(limit)}): {'met' if met else 'MISSED'}")
     for key in ("publish_to_visible_p50_s", "serving_p99_ms_idle", "serving_p99_ms_during", "typical_second_p99_ms_idle",
-                "typical_second_p99_ms_during", "rss_total_growth_mib",
+                "typical_second_p99_ms_during", "machine_stalls_idle", "machine_stalls_during",
+                "serving_p99_ms_idle_outside_stalls", "serving_p99_ms_during_outside_stalls",
+                "serving_p99_ratio_outside_stalls", "rss_total_growth_mib",
                 "dense_swap_s", "dense_swap_worker_s", "rollback_s", "version_swap_s", "version_swap_p99_ms"):
         lines.append(f"  {key:<32}{_fmt(figures[key]):>14}")
     return "\n".join(lines) + "\n"
@@ -368,7 +388,11 @@ def _fmt(value: object) -> str:
 
 
 def _plot(
-    result: LoadResult, marks: dict[str, list[float]], spans: dict[str, list[tuple[float, float]]], path: Path
+    result: LoadResult,
+    marks: dict[str, list[float]],
+    stalls: list[tuple[float, float]],
+    spans: dict[str, list[tuple[float, float]]],
+    path: Path,
 ) -> None:
     start = result.events[0][0]
     sent = np.array([e[0] - start for e in result.events if e[2] == "200"])
@@ -384,10 +408,13 @@ def _plot(
             ax.axvspan(a - start, b - start, color=colors[label], label=label if index == 0 else None)
     for t in marks["publish"]:
         ax.axvline(t - start, color="tab:blue", linewidth=0.4)
+    if stalls:
+        ax.plot([at - start for at, _ in stalls], [late * 1000 for _, late in stalls], "v", color="tab:red",
+                markersize=5, label="machine stall (ms late)")
     ax.set_xlabel("seconds")
     ax.set_ylabel("p99 latency, ms")
     ax.set_title("serving p99 while deltas are published (blue lines), dense weights swapped, rolled back, "
-                 "and the version changed", fontsize=9)
+                 "and the version changed; the machine's own stalls in red", fontsize=9)
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

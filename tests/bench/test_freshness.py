@@ -16,6 +16,7 @@ KEYS = {
     "rows_per_min", "publish_to_visible_p50_s", "publish_to_visible_p99_s", "serving_p99_ms_idle",
     "serving_p99_ms_during", "serving_p99_ratio", "failed_requests", "rss_growth_mib", "dense_swap_s",
     "dense_swap_failed_requests", "version_swap_failed_requests",
+    "machine_stalls", "machine_stalls_idle", "machine_stalls_during", "serving_p99_ratio_outside_stalls",
 }
 
 
@@ -34,5 +35,6 @@ def test_freshness_smoke_scenario_runs_with_no_failed_request(tmp_path):
     assert figures["rollback_failed_requests"] == 0
     assert figures["version_swap_failed_requests"] == 0
     assert len(figures["publish_to_visible_s"]) == 6 and figures["rows_per_min"] > 0
+    assert len(figures["machine_stalls"]) >= figures["machine_stalls_idle"] + figures["machine_stalls_during"]
     for name in ("summary.txt", "freshness.png"):
         assert (out / name).stat().st_size > 0

@@ -1,0 +1,77 @@
+"""Stalls of the machine itself, told apart from the server's: a process that does nothing but
+sleep 2 ms at a time, and notes each wake-up that came late.
+
+This machine is a shared virtual machine. Now and then every process on it misses its wake-up by
+30-250 ms: measured with this probe while a server answered one-item requests with nothing else
+going on, the guest's CPUs mostly idle through the stall and the hypervisor's steal counter rising
+(and never with the same CPU load and pinned memory made up by plain processes). A request in
+flight then shows the stall as latency. The probe lets a benchmark report
+which of its slow seconds were the machine's:
+
+    with MachineStalls() as stalls:
+        ...                               # serve, publish, measure
+    stalls.found                          # [(start, late_s)] on the time.perf_counter clock
+
+The probe runs as ``python -m benchmarks.stalls FILE`` (no torch, nothing else imported).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+SLEEP_S = 0.002
+LATE_S = 0.02  # a wake-up this much past its time is a stall: a loaded 2-core machine gives < 15 ms
+
+
+class MachineStalls:
+    def __init__(self) -> None:
+        self._file = Path(tempfile.mkstemp(prefix="machine-stalls-", suffix=".txt")[1])
+        self._process: subprocess.Popen | None = None
+        self.found: list[tuple[float, float]] = []
+
+    def __enter__(self) -> "MachineStalls":
+        self._process = subprocess.Popen([sys.executable, "-m", "benchmarks.stalls", str(self._file)])
+        while self._file.stat().st_size == 0:  # the probe's first line: it is running
+            if self._process.poll() is not None:
+                raise RuntimeError(f"the stall probe exited with {self._process.returncode}")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self._process is not None, "the probe starts on entering the block"
+        return self._process.pid
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._process is not None
+        self._process.terminate()
+        self._process.wait(10)
+        lines = self._file.read_text().split("\n")[1:]
+        self._file.unlink()
+        self.found = [(float(start), float(late)) for start, late in (line.split() for line in lines if line)]
+
+
+def overlaps(stalls: Sequence[tuple[float, float]], start: float, end: float) -> bool:
+    """Whether ``[start, end]`` (a request in flight) overlaps one of ``stalls``."""
+    return any(at < end and start < at + late for at, late in stalls)
+
+
+def main(path: str) -> None:
+    with open(path, "w", buffering=1) as out:
+        out.write("started\n")
+        last = time.perf_counter()
+        while True:
+            time.sleep(SLEEP_S)
+            now = time.perf_counter()
+            if now - last - SLEEP_S > LATE_S:
+                out.write(f"{last + SLEEP_S:.6f} {now - last - SLEEP_S:.6f}\n")
+            last = now
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

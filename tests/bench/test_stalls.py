@@ -1,0 +1,27 @@
+"""The machine-stall probe: a probe held still (as a stalled machine holds every process) reports it."""
+
+import os
+import signal
+import time
+
+from benchmarks.stalls import MachineStalls, overlaps
+
+
+def test_a_probe_held_still_for_150_ms_reports_one_stall_of_that_length():
+    with MachineStalls() as stalls:
+        time.sleep(0.2)
+        os.kill(stalls.pid, signal.SIGSTOP)
+        held = time.perf_counter()
+        time.sleep(0.15)
+        os.kill(stalls.pid, signal.SIGCONT)
+        time.sleep(0.2)
+    assert len(stalls.found) == 1
+    start, late = stalls.found[0]
+    assert held - 0.01 < start < held + 0.01
+    assert 0.13 < late < 0.3
+
+
+def test_a_request_overlaps_a_stall_only_if_in_flight_during_it():
+    stalls = [(10.0, 0.1)]
+    assert overlaps(stalls, 9.9, 10.05) and overlaps(stalls, 10.05, 10.2) and overlaps(stalls, 9.0, 11.0)
+    assert not overlaps(stalls, 9.0, 9.99) and not overlaps(stalls, 10.11, 10.3) and not overlaps([], 0.0, 1.0)
