@@ -74,7 +74,7 @@ class ServingConfig:
     max_queue_wait_ms: int = 0
     hang_after_ms: int = 0
     # How fast a published delta's rows are written into the served tables (handlers.runtime.freshness).
-    delta_rows_per_s: float = 200_000.0
+    delta_rows_per_s: float = 80_000.0
 
     def model_config(
         self, artifact: Artifact, weights_bytes: int, split: SplitPlan | None, remote: RemotePlan | None = None

@@ -162,7 +162,7 @@ class Pace:
     """How fast a writer applies rows, and how many it writes per hold of the lock (the model
     config's ``freshness`` section: ``freshness.config``)."""
 
-    rows_per_s: float = 200_000.0
+    rows_per_s: float = 80_000.0
     chunk_rows: int = 4096
 
 

@@ -1,7 +1,7 @@
 """The model config's ``freshness`` section, parsed once when a worker loads::
 
     freshness:
-      rows_per_s: 200000                 # the writer's pace
+      rows_per_s: 80000                  # the writer's pace
       chunk_rows: 4096                   # rows written per hold of the row lock
       tables_dir: /dev/shm/torchrec-serve  # where the tables' working copy goes (default; where it
                                          # lacks the room, the system's temporary folder)
