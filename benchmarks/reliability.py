@@ -194,8 +194,8 @@ def max_load(url: str, auth: dict, traffic: Traffic, seconds: float) -> dict:
     within 4x that of a light load (at least 50 ms). Rates step up by 5% of a closed loop's
     throughput (32 senders), from 20%; the load generator shares the machine's cores, so what it
     can send is part of the limit. A step that misses is run once more before the search ends:
-    one stall of the machine itself (``benchmarks.stalls``: 30-250 ms now and then, whatever the
-    load) is enough to lift a short step's p99 past the bound: two searches here ended on steps at
+    one stall of the machine itself (``benchmarks.stalls``: 20-250 ms now and then, at any load)
+    is enough to lift a short step's p99 past the bound: two searches here ended on steps at
     25% and 30% of the closed loop's rate (p99 128 and 94 ms), where earlier ones reached 80%."""
     closed_rps = run_closed_loop(url, auth, traffic, 32, seconds, 10**7).requests_per_s
     light = run_open_loop(url, auth, traffic, 0.2 * closed_rps, seconds)

@@ -2,7 +2,7 @@
 sleep 2 ms at a time, and notes each wake-up that came late.
 
 This machine is a shared virtual machine. Now and then every process on it misses its wake-up by
-30-250 ms: measured with this probe while a server answered one-item requests with nothing else
+20-250 ms: measured with this probe while a server answered one-item requests with nothing else
 going on, the guest's CPUs mostly idle through the stall and the hypervisor's steal counter rising
 (and never with the same CPU load and pinned memory made up by plain processes). A request in
 flight then shows the stall as latency. The probe lets a benchmark report
@@ -12,11 +12,13 @@ which of its slow seconds were the machine's:
         ...                               # serve, publish, measure
     stalls.found                          # [(start, late_s)] on the time.perf_counter clock
 
-The probe runs as ``python -m benchmarks.stalls FILE`` (no torch, nothing else imported).
+The probe runs as ``python benchmarks/stalls.py FILE`` (no torch, nothing else imported) and
+ends with the block, or by itself once the process that started it is gone.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -35,7 +37,7 @@ class MachineStalls:
         self.found: list[tuple[float, float]] = []
 
     def __enter__(self) -> "MachineStalls":
-        self._process = subprocess.Popen([sys.executable, "-m", "benchmarks.stalls", str(self._file)])
+        self._process = subprocess.Popen([sys.executable, __file__, str(self._file)])
         while self._file.stat().st_size == 0:  # the probe's first line: it is running
             if self._process.poll() is not None:
                 raise RuntimeError(f"the stall probe exited with {self._process.returncode}")
@@ -62,10 +64,11 @@ def overlaps(stalls: Sequence[tuple[float, float]], start: float, end: float) ->
 
 
 def main(path: str) -> None:
+    parent = os.getppid()
     with open(path, "w", buffering=1) as out:
         out.write("started\n")
         last = time.perf_counter()
-        while True:
+        while os.getppid() == parent:
             time.sleep(SLEEP_S)
             now = time.perf_counter()
             if now - last - SLEEP_S > LATE_S:

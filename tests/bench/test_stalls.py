@@ -2,9 +2,13 @@
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from benchmarks.stalls import MachineStalls, overlaps
+from tests.conftest import REPO
 
 
 def test_a_probe_held_still_for_150_ms_reports_one_stall_of_that_length():
@@ -25,3 +29,26 @@ def test_a_request_overlaps_a_stall_only_if_in_flight_during_it():
     stalls = [(10.0, 0.1)]
     assert overlaps(stalls, 9.9, 10.05) and overlaps(stalls, 10.05, 10.2) and overlaps(stalls, 9.0, 11.0)
     assert not overlaps(stalls, 9.0, 9.99) and not overlaps(stalls, 10.11, 10.3) and not overlaps([], 0.0, 1.0)
+
+
+def test_the_probe_ends_by_itself_once_the_process_that_started_it_is_gone(tmp_path):
+    code = ("import os; from benchmarks.stalls import MachineStalls; "
+            "print(MachineStalls().__enter__().pid, flush=True); os._exit(0)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "TMPDIR": str(tmp_path)},
+                          capture_output=True, text=True, timeout=60)
+    probe = int(done.stdout)
+    deadline = time.monotonic() + 5
+    while _running(probe) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _running(probe)
+    if left:
+        os.kill(probe, signal.SIGKILL)
+    assert not left
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # an orphan's zombie, not yet reaped, runs no more
