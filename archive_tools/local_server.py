@@ -320,6 +320,13 @@ class LocalTorchServe:
             text, count = re.subn(rf"^{re.escape(key)}=.*$", lambda _: f"{key}={value}", text, flags=re.M)
             if count == 0:
                 text += f"\n{key}={value}\n"
+        # The frontend unpacks each .mar under java.io.tmpdir/models/ and, stopped by a signal,
+        # leaves it there (652 folders, 1.6 GiB in /tmp here): under the working directory, the
+        # unpacked archives go with it.
+        tmpdir = f"-Djava.io.tmpdir={self.workdir / 'tmp'}"
+        text, count = re.subn(r"^vmargs=(.*)$", lambda m: f"vmargs={m.group(1)} {tmpdir}", text, flags=re.M)
+        if count == 0:
+            text += f"\nvmargs={tmpdir}\n"
         return text
 
 

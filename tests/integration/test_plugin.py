@@ -73,6 +73,11 @@ def test_register_takes_only_names_inside_the_model_store(server, url):
     assert message.startswith("url:") and "directly inside the model store" in message
 
 
+def test_the_frontend_unpacks_archives_in_the_servers_own_folder(server):
+    unpacked = list((server.workdir / "tmp" / "models").glob("*/MAR-INF/MANIFEST.json"))
+    assert len(unpacked) == 1  # removed with the folder when the server stops
+
+
 def test_register_of_a_missing_archive_is_a_404_naming_it(server):
     response = server.register("nothing.mar")
     assert response.status_code == 404 and "no 'nothing.mar' in the model store" in response.json()["message"]
