@@ -71,9 +71,11 @@ def touched_ids(tracker) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="tracked-")))
+    parser.add_argument("--out", type=Path, help="where the archive and deltas go (default: a new temporary folder)")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
+    if args.out is None:  # made only when asked for: a default made here would be made on every run
+        args.out = Path(tempfile.mkdtemp(prefix="tracked-"))
     args.out.mkdir(parents=True, exist_ok=True)
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
