@@ -202,13 +202,17 @@ def max_load(url: str, auth: dict, traffic: Traffic, seconds: float) -> dict:
     bound_ms = max(50.0, 4 * light.latency_ms["p99"])
     sustained = 0.2 * closed_rps
     steps = {}
+
+    def missed(result: LoadResult) -> bool:
+        return bool(_failed(result)) or result.latency_ms["p99"] > bound_ms
+
     for twentieths in range(5, 21):
         rate = twentieths / 20 * closed_rps
         result = run_open_loop(url, auth, traffic, rate, seconds)
-        if _failed(result) or result.latency_ms["p99"] > bound_ms:
+        if missed(result):
             result = run_open_loop(url, auth, traffic, rate, seconds)
         steps[f"{rate:.0f}"] = {"p99_ms": result.latency_ms.get("p99"), "statuses": result.statuses}
-        if _failed(result) or result.latency_ms["p99"] > bound_ms:
+        if missed(result):
             break
         sustained = rate
     return {
