@@ -32,14 +32,16 @@ LATE_S = 0.02  # a wake-up this much past its time is a stall: a loaded 2-core m
 
 class MachineStalls:
     def __init__(self) -> None:
-        self._file = Path(tempfile.mkstemp(prefix="machine-stalls-", suffix=".txt")[1])
+        self._file: Path | None = None
         self._process: subprocess.Popen | None = None
         self.found: list[tuple[float, float]] = []
 
     def __enter__(self) -> "MachineStalls":
+        self._file = Path(tempfile.mkstemp(prefix="machine-stalls-", suffix=".txt")[1])
         self._process = subprocess.Popen([sys.executable, __file__, str(self._file)])
         while self._file.stat().st_size == 0:  # the probe's first line: it is running
             if self._process.poll() is not None:
+                self._file.unlink()
                 raise RuntimeError(f"the stall probe exited with {self._process.returncode}")
             time.sleep(0.01)
         return self
@@ -50,7 +52,7 @@ class MachineStalls:
         return self._process.pid
 
     def __exit__(self, *exc: object) -> None:
-        assert self._process is not None
+        assert self._process is not None and self._file is not None
         self._process.terminate()
         self._process.wait(10)
         lines = self._file.read_text().split("\n")[1:]

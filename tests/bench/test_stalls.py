@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from benchmarks.stalls import MachineStalls, overlaps
 from tests.conftest import REPO
 
@@ -52,3 +54,12 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"  # an orphan's zombie, not yet reaped, runs no more
+
+
+def test_a_probe_that_cannot_start_is_an_error_leaving_no_file(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    with pytest.raises(RuntimeError, match="the stall probe exited with 1"):
+        MachineStalls().__enter__()
+    assert not list(tmp_path.iterdir())
