@@ -45,9 +45,9 @@ CHUNK_ROWS = 1 << 18
 @dataclasses.dataclass(frozen=True)
 class DeltaSource:
     """Where the new rows come from: a trained checkpoint (the same names ``build`` takes), or a
-    file of changed rows per table (``{table: {"ids": int64 [n], "rows": float [n, dim]}}``), or
-    neither; ``dense``: a checkpoint (whole, or its dense weights alone) whose dense weights the
-    delta carries, to be swapped in whole."""
+    file of changed rows per table (``{table: {"ids": int64 [n], "rows": float [n, dim]}}``, the ids
+    in any order, each once), or neither; ``dense``: a checkpoint (whole, or its dense weights
+    alone) whose dense weights the delta carries, to be swapped in whole."""
 
     checkpoint: Path | None = None
     rows: Path | None = None
@@ -225,6 +225,10 @@ def _from_rows(base: _BaseArchive, path: Path) -> Iterator[tuple[TableLayout, np
             raise ValueError(f"{path}: {name}.rows must be [{len(ids)}, {table.dim}], got {list(floats.shape)}")
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= table.rows):
             raise ValueError(f"{path}: {name}.ids must lie in 0..{table.rows - 1}")
+        ids, order = torch.sort(ids)  # a delta's ids are in order
+        repeated = torch.nonzero(ids[1:] == ids[:-1]).flatten()
+        if len(repeated):
+            raise ValueError(f"{path}: {name}.ids gives id {int(ids[repeated[0]])} more than once")
         for start in range(0, len(ids), CHUNK_ROWS):
             chunk = slice(start, start + CHUNK_ROWS)
-            yield table, ids[chunk].numpy(), served_rows(floats[chunk], table)
+            yield table, ids[chunk].numpy(), served_rows(floats[order[chunk]], table)

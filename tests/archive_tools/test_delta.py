@@ -59,13 +59,21 @@ def test_a_delta_from_a_checkpoint_holds_only_changed_rows_and_verifies(checkpoi
 
 def test_a_delta_from_given_rows(checkpoints, tiny_spec):
     folder, archive = checkpoints
-    rows = {"t_user": {"ids": torch.tensor([2, 4]), "rows": torch.rand(2, 8)}}
-    torch.save(rows, folder / "rows.pt")
+    floats = torch.rand(3, 8)
+    torch.save({"t_user": {"ids": torch.tensor([4, 2, 9]), "rows": floats}}, folder / "rows.pt")  # any order
     summary = make_delta(archive, DeltaSource(rows=folder / "rows.pt"), folder / "2.delta", sequence=2)
-    assert summary.rows_by_table == {"t_user": 2}
+    assert summary.rows_by_table == {"t_user": 3}
+    layout = TablesLayout.load(_unpacked(archive, folder))
+    delta = read_delta(summary.path, layout)
+    records = delta.records(delta.header.tables[0])
+    assert records["id"].tolist() == [2, 4, 9]  # in order, each with its own row
+    assert np.array_equal(records["row"], served_rows(floats[[1, 0, 2]], layout.table("t_user")))
     torch.save({"t_user": {"ids": torch.tensor([1000]), "rows": torch.rand(1, 8)}}, folder / "bad.pt")
     with pytest.raises(ValueError, match="t_user.ids must lie in 0..999"):
         make_delta(archive, DeltaSource(rows=folder / "bad.pt"), folder / "3.delta", sequence=3)
+    torch.save({"t_user": {"ids": torch.tensor([5, 3, 5]), "rows": torch.rand(3, 8)}}, folder / "twice.pt")
+    with pytest.raises(ValueError, match="t_user.ids gives id 5 more than once"):
+        make_delta(archive, DeltaSource(rows=folder / "twice.pt"), folder / "3.delta", sequence=3)
 
 
 def test_the_delta_command_writes_and_verifies(checkpoints, capsys):
