@@ -11,9 +11,10 @@ A row must never be read half-written. Every forward holds the model's row lock 
 forward); the writer takes it exclusively for one chunk of rows at a time (``chunk_rows``, a few
 hundred microseconds of copying), so a forward waits at most one chunk, and sees each row either
 before or after it was written. Nothing slow happens under the lock: the chunk's pages are made
-present and writable first (``TableWriter.touch``: each row written back as it is, which page
-faults and the file system's first-write work cost), and progress is recorded after the lock is
-released. Between chunks the writer sleeps to keep to ``rows_per_s``.
+present and writable first (pinned: ``shared_tables.pin_in_memory``; where pinning failed,
+``TableWriter.touch`` writes each row back as it is, which page faults and the file system's
+first-write work cost), and progress is recorded after the lock is released. Between chunks the
+writer sleeps to keep to ``rows_per_s``.
 
 Progress is kept in ``freshness-state.json`` beside the working copy (written after each chunk): the
 sequence applied completely, and how far into the next delta the writer got. A writer
@@ -115,6 +116,7 @@ class TableWriter:
 
     def __init__(self, weights_file: Path, buffers: list[torch.Tensor], layout: TablesLayout) -> None:
         self.layout = layout
+        self.pinned = False  # set once its pages are mapped and locked: no write faults then
         self._file = open(weights_file, "r+b")
         self._map = mmap.mmap(self._file.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         data = np.frombuffer(self._map, dtype=np.uint8)
@@ -214,7 +216,8 @@ def write_rows(
                 done += len(chunk)
                 continue
             chunk = chunk[max(0, start_row - done):]
-            writer.touch(section.name, chunk["id"])  # the only writer: those bytes stay as they are
+            if not writer.pinned:
+                writer.touch(section.name, chunk["id"])  # the only writer: those bytes stay as they are
             with lock.writing():  # held for a copy of the rows alone
                 writer.write(section.name, chunk)
             done = max(done, start_row) + len(chunk)

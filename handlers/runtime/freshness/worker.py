@@ -225,7 +225,7 @@ class WorkerFreshness:
                 logger.warning("%s; table pages will be faulted in as rows are read and written", pinned)
         else:
             logger.info("pinned %.1f GiB of table mappings in %.2fs", pinned / 2**30, time.perf_counter() - started)
-        self.tables_pinned = not isinstance(pinned, str)
+        self.tables_pinned = self._table_writer().pinned = not isinstance(pinned, str)
 
     def _rollback(self, to: int, log: Path) -> dict[str, Any]:
         """Asks for the tables as they were after delta ``to`` (0: the archive's own rows): the
