@@ -28,6 +28,8 @@ transition (register 2.0, set it default, unregister 1.0). Writes
   ``machine_stalls_during``: how many fell in the idle and in the publishing stretches;
   ``serving_p99_ms_idle_outside_stalls``, ``serving_p99_ms_during_outside_stalls``,
   ``serving_p99_ratio_outside_stalls``: the p99s again without the requests in flight during one;
+* ``cpu_busy_cores_idle``, ``cpu_busy_cores_during``: the machine's CPU time in use (user, system
+  and interrupts, every process), in cores, over the idle and over the publishing stretches;
 * ``failed_requests``: non-200 answers over the whole run;
 * ``rss_growth_mib``: the server's anonymous memory (frontend and workers, ``RssAnon``), after the
   publishing against before; mapped table pages that the writer touched are page cache, shared
@@ -135,6 +137,7 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
     idle: list[tuple[float, float]] = []
     publishing: list[tuple[float, float]] = []
     visible_s: list[float] = []
+    busy: dict[str, list[tuple[float, float]]] = {"idle": [], "publishing": []}  # (CPU seconds, seconds)
     with LocalTorchServe(model_store=store) as server:
         ok(server.register(archive.name, batch_size=32, max_batch_delay=5, initial_workers=scenario.workers))
         url = f"{server.inference_url}/predictions/{name}"
@@ -149,10 +152,11 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
             copy = Path(_state(server, name)["tables_file"]).parent  # the state beside the working copy
             sequence = 0
             for group in np.array_split(np.arange(len(deltas) - 1), scenario.rounds):
-                idle_start = time.perf_counter()
+                idle_start, cpu = time.perf_counter(), _cpu_busy_s()
                 time.sleep(scenario.idle_s / scenario.rounds)
                 idle.append((idle_start, time.perf_counter()))
-                publishing_start = time.perf_counter()
+                busy["idle"].append((_cpu_busy_s() - cpu, idle[-1][1] - idle_start))
+                publishing_start, cpu = time.perf_counter(), _cpu_busy_s()
                 for index in group:
                     sequence += 1
                     marks["publish"].append(time.perf_counter())
@@ -164,6 +168,7 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
                 while time.perf_counter() < publishing_start + MIN_WINDOW_S:  # a p99 needs requests
                     time.sleep(POLL_S)
                 publishing.append((publishing_start, time.perf_counter()))
+                busy["publishing"].append((_cpu_busy_s() - cpu, publishing[-1][1] - publishing_start))
             memory_after = _server_memory(server)
 
             dense_at = time.perf_counter()
@@ -210,6 +215,8 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
         "machine_stalls_during": sum(1 for at, _ in stalls.found if any(a <= at < b for a, b in publishing)),
         "serving_p99_ms_idle_outside_stalls": _p99_ms(result, *idle, stalls=stalls.found),
         "serving_p99_ms_during_outside_stalls": _p99_ms(result, *publishing, stalls=stalls.found),
+        "cpu_busy_cores_idle": sum(c for c, _ in busy["idle"]) / sum(s for _, s in busy["idle"]),
+        "cpu_busy_cores_during": sum(c for c, _ in busy["publishing"]) / sum(s for _, s in busy["publishing"]),
         "failed_requests": _failed(result, result.events[0][0], float("inf")),
         "statuses": result.statuses,
         "rss_growth_mib": memory_after["anon_mib"] - memory_before["anon_mib"],
@@ -315,6 +322,12 @@ def _wait(condition, every_s: float = POLL_S, timeout_s: float = 120.0):  # type
     raise TimeoutError(f"not within {timeout_s}s")
 
 
+def _cpu_busy_s() -> float:
+    """The machine's CPU seconds in use so far, every core and process (``/proc/stat``)."""
+    times = psutil.cpu_times()
+    return times.user + times.nice + times.system + times.irq + times.softirq
+
+
 def _server_memory(server: LocalTorchServe) -> dict[str, float]:
     """The frontend's and workers' resident memory: all of it, and its anonymous part."""
     rss = anon = 0
@@ -377,7 +390,7 @@ def _summary(figures: dict) -> str:
     for key in ("publish_to_visible_p50_s", "serving_p99_ms_idle", "serving_p99_ms_during", "typical_second_p99_ms_idle",
                 "typical_second_p99_ms_during", "machine_stalls_idle", "machine_stalls_during",
                 "serving_p99_ms_idle_outside_stalls", "serving_p99_ms_during_outside_stalls",
-                "serving_p99_ratio_outside_stalls", "rss_total_growth_mib",
+                "serving_p99_ratio_outside_stalls", "cpu_busy_cores_idle", "cpu_busy_cores_during", "rss_total_growth_mib",
                 "dense_swap_s", "dense_swap_worker_s", "rollback_s", "version_swap_s", "version_swap_p99_ms"):
         lines.append(f"  {key:<32}{_fmt(figures[key]):>14}")
     return "\n".join(lines) + "\n"

@@ -1,6 +1,7 @@
 """CI runs the ``freshness-smoke`` scenario end to end (tiny model): deltas published while the
 real TorchServe serves, a dense swap, a rollback and a version transition, with no failed request."""
 
+import os
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ KEYS = {
     "serving_p99_ms_during", "serving_p99_ratio", "failed_requests", "rss_growth_mib", "dense_swap_s",
     "dense_swap_failed_requests", "version_swap_failed_requests",
     "machine_stalls", "machine_stalls_idle", "machine_stalls_during", "serving_p99_ratio_outside_stalls",
+    "cpu_busy_cores_idle", "cpu_busy_cores_during",
 }
 
 
@@ -36,5 +38,7 @@ def test_freshness_smoke_scenario_runs_with_no_failed_request(tmp_path):
     assert figures["version_swap_failed_requests"] == 0
     assert len(figures["publish_to_visible_s"]) == 6 and figures["rows_per_min"] > 0
     assert len(figures["machine_stalls"]) >= figures["machine_stalls_idle"] + figures["machine_stalls_during"]
+    cores = os.cpu_count()
+    assert 0 < figures["cpu_busy_cores_idle"] <= cores and 0 < figures["cpu_busy_cores_during"] <= cores
     for name in ("summary.txt", "freshness.png"):
         assert (out / name).stat().st_size > 0
