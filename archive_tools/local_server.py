@@ -195,7 +195,9 @@ class LocalTorchServe:
         if self._log is not None:
             self._log.close()
         if self.keep_logs is not None and self.workdir.exists():
-            shutil.copytree(self.workdir, self.keep_logs, dirs_exist_ok=True)
+            # not tmp/: the unpacked archives (GiBs) and the workers' sockets
+            shutil.copytree(self.workdir, self.keep_logs, dirs_exist_ok=True,
+                            ignore=lambda folder, names: ["tmp"] if Path(folder) == self.workdir else [])
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def check_alive(self) -> None:

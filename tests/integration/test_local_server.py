@@ -42,6 +42,18 @@ def test_two_local_servers_run_side_by_side(tmp_path):
             assert requests.get(f"{server.inference_url}/ping", headers=server.auth("inference"), timeout=10).ok
 
 
+def test_kept_logs_leave_out_the_servers_temporary_folder(tmp_path):
+    """Where the workers' sockets and the unpacked archives are: a socket cannot be copied."""
+    store, kept = tmp_path / "store", tmp_path / "kept"
+    store.mkdir()
+    with LocalTorchServe(model_store=store, keep_logs=kept) as server:
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(server.workdir / "tmp" / "worker.sock"))
+    listener.close()
+    assert (kept / "logs" / "ts_log.log").stat().st_size > 0 and (kept / "config.properties").exists()
+    assert not (kept / "tmp").exists() and not server.workdir.exists()
+
+
 def test_a_configured_port_that_is_taken_is_named(tmp_path, capsys):
     """``torchrec-serve serve`` on the config's ports says which port is taken, and exits 6."""
     with socket.socket() as taken:
