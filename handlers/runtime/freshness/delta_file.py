@@ -184,6 +184,14 @@ class DeltaWriter:
             checksum.update(data)
         self._dense = {"offset": start, "xxh3_128": checksum.hexdigest(), "tensors": entries}
 
+    def flush(self) -> None:
+        """Hands what is added so far to the OS: it outlives this process (not the machine)."""
+        self._file.flush()
+
+    def release(self) -> None:
+        """Closes the file unfinished, leaving ``<path>.partial`` for a later writer to resume."""
+        self._file.close()
+
     def close(self) -> Path:
         tables = []
         for name, section in self._sections.items():

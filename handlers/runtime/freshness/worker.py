@@ -253,22 +253,21 @@ class WorkerFreshness:
         writer dies halfway (undoing is idempotent: each undo file holds the bytes from before)."""
         entries = log_entries(log)
         head = max(entries, default=0)
-        state = AppliedState.read(self.folder)
-        newest = state.sequence + (1 if state.partial else 0)  # a delta half applied is undone too
+        state = AppliedState.read(self.folder)  # no delta half applied: _catch_up finishes it first
         writer = self._table_writer()
-        for sequence in range(newest, to, -1):
-            undo = undo_file(log, sequence)
-            if undo.exists():  # absent: the delta's writing never began
-                write_rows(read_delta(undo, self.layout), writer, self._writer_lock, self.pace)
+        for sequence in range(state.sequence, to, -1):
+            write_rows(read_delta(undo_file(log, sequence), self.layout), writer, self._writer_lock, self.pace)
         aside = log.parent / f"rolled-back-{time.strftime('%Y%m%dT%H%M%S')}-from-{head}-to-{to}"
         for sequence in range(to + 1, head + 1):
             aside.mkdir(parents=True, exist_ok=True)
             for path in (entries.get(sequence), undo_file(log, sequence)):
                 if path is not None and path.exists():
                     os.replace(path, aside / path.name)
-        AppliedState(sequence=to, partial=0, rows_applied=state.rows_applied, updated_at=time.time()).write(self.folder)
+        # a writer behind the log applies the deltas up to ``to`` afterwards, from the log as it is now
+        AppliedState(sequence=min(to, state.sequence), partial=0, rows_applied=state.rows_applied,
+                     updated_at=time.time()).write(self.folder)
         (Path(log) / ROLLBACK_MARK).unlink()
-        logger.info("rolled back from delta %d to %d (later deltas moved to %s)", newest, to, aside)
+        logger.info("rolled back from delta %d to %d (later deltas moved to %s)", state.sequence, to, aside)
 
     def _behind(self, log: Path) -> bool:
         head = max(log_entries(log), default=0)
@@ -299,23 +298,30 @@ class WorkerFreshness:
         with self.lock.sole_writer(self.folder) as writer:
             if not writer:
                 return  # another worker applies them
-            rollback = _pending_rollback(log)
-            if rollback is not None:
-                self._roll_back(log, rollback["to"])
             entries = log_entries(log)
             pace = self.pace if paced else Pace(rows_per_s=float("inf"), chunk_rows=self.pace.chunk_rows)
-            while True:
-                state = AppliedState.read(self.folder)
-                path = entries.get(state.sequence + 1)
-                if path is None:
-                    return
-                started = time.perf_counter()
-                delta = read_delta(path, self.layout)
-                apply_delta(delta, self._table_writer(), self._writer_lock, self.folder, pace, start_row=state.partial,
-                            undo=undo_file(log, delta.header.sequence))
-                logger.info("applied delta %d (%d rows) in %.2fs", delta.header.sequence, delta.header.rows,
-                            time.perf_counter() - started)
+            rollback = _pending_rollback(log)
+            if rollback is not None:
+                if AppliedState.read(self.folder).partial:  # its undo is whole once it is: finished first
+                    self._apply_next(log, entries, pace)
+                self._roll_back(log, rollback["to"])
+                entries = log_entries(log)
+            while self._apply_next(log, entries, pace):
+                pass
 
+    def _apply_next(self, log: Path, entries: dict[int, Path], pace: Pace) -> bool:
+        """Applies (or finishes) the delta after the applied sequence; False when there is none."""
+        state = AppliedState.read(self.folder)
+        path = entries.get(state.sequence + 1)
+        if path is None:
+            return False
+        started = time.perf_counter()
+        delta = read_delta(path, self.layout)
+        apply_delta(delta, self._table_writer(), self._writer_lock, self.folder, pace, start_row=state.partial,
+                    undo=undo_file(log, delta.header.sequence))
+        logger.info("applied delta %d (%d rows) in %.2fs", delta.header.sequence, delta.header.rows,
+                    time.perf_counter() - started)
+        return True
 
     def _sync_dense(self, log: Path) -> None:
         """Swaps in the dense weights this worker should serve: those of the newest applied delta

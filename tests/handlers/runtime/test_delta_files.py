@@ -12,7 +12,15 @@ import pytest
 import torch
 import xxhash
 
-from handlers.runtime.freshness.applier import AppliedState, Pace, RowLock, TableWriter, apply_delta
+from handlers.runtime.freshness.applier import (
+    AppliedState,
+    Pace,
+    RowLock,
+    TableWriter,
+    UndoLog,
+    apply_delta,
+    write_rows,
+)
 from handlers.runtime.freshness.config import FreshnessConfig
 from handlers.runtime.freshness.delta_file import (
     DeltaError,
@@ -191,6 +199,64 @@ def test_a_resumed_apply_skips_the_rows_already_written(tmp_path):
                         Pace(chunk_rows=1), start_row=2)
     assert state.rows_applied == 1  # only the third row
     assert buffers[0][9 * 12 : 10 * 12].eq(5).all() and buffers[0][3 * 12 : 4 * 12].eq(0).all()
+
+
+def _table_a(buffers) -> torch.Tensor:
+    return buffers[0][: 1000 * 12].reshape(1000, 12)  # as a reader maps it
+
+
+def _numbered(writer: TableWriter, tmp_path: Path) -> None:
+    """Every row of table a its own bytes (row i: i % 256), through the writer."""
+    rows = np.repeat((np.arange(1000) % 256).astype(np.uint8)[:, None], 12, axis=1)
+    write_rows(read_delta(_write(tmp_path / "numbered.delta", sections=[(TABLES[0], np.arange(1000), rows)]), LAYOUT),
+               writer, RowLock(tmp_path), Pace())
+
+
+def test_the_undo_file_restores_the_rows_a_delta_overwrote(tmp_path):
+    path, _, buffers = _weights_file(tmp_path)
+    writer, lock = TableWriter(path, buffers, LAYOUT), RowLock(tmp_path)
+    _numbered(writer, tmp_path)
+    before = _table_a(buffers).clone()
+    delta = read_delta(_write(tmp_path / "d.delta"), LAYOUT)
+    apply_delta(delta, writer, lock, tmp_path, Pace(chunk_rows=2), undo=tmp_path / "1.undo")
+    assert not torch.equal(_table_a(buffers), before)
+    undo = read_delta(tmp_path / "1.undo", LAYOUT)
+    assert undo.header.sequence == 1 and not (tmp_path / "1.undo.partial").exists()
+    apply_delta(undo, writer, lock, tmp_path, Pace())
+    assert torch.equal(_table_a(buffers), before)
+
+
+def test_a_writer_that_dies_after_a_chunk_is_written_and_before_it_is_recorded_keeps_a_whole_undo(tmp_path):
+    """The next writer resumes from the recorded row, and keeps the earlier writer's undo rows:
+    re-reading the unrecorded chunk's rows would keep their new values as the old."""
+    path, _, buffers = _weights_file(tmp_path)
+    writer, lock = TableWriter(path, buffers, LAYOUT), RowLock(tmp_path)
+    _numbered(writer, tmp_path)
+    before = _table_a(buffers).clone()
+    delta = read_delta(_write(tmp_path / "d.delta", sections=[(TABLES[0], np.arange(10, 20), _rows(TABLES[0], 10, 200))]), LAYOUT)
+    recorded = []
+
+    def dies_at_the_third_chunk(done: int, rows: int) -> None:
+        if len(recorded) == 2:
+            raise SystemExit("killed")  # the third chunk is written, not recorded
+        recorded.append(done)
+
+    with pytest.raises(SystemExit):
+        write_rows(delta, writer, lock, Pace(chunk_rows=3), progress=dies_at_the_third_chunk,
+                   undo=UndoLog(tmp_path / "1.undo", delta, writer))
+    assert recorded == [3, 6] and _table_a(buffers)[16:19].eq(200).all()  # rows 6-8 of the delta: written
+    apply_delta(delta, writer, lock, tmp_path, Pace(chunk_rows=3), start_row=recorded[-1], undo=tmp_path / "1.undo")
+    assert _table_a(buffers)[10:20].eq(200).all()
+    apply_delta(read_delta(tmp_path / "1.undo", LAYOUT), writer, lock, tmp_path, Pace())
+    assert torch.equal(_table_a(buffers), before)
+
+
+def test_an_undo_that_lost_rows_already_written_is_an_error(tmp_path):
+    path, _, buffers = _weights_file(tmp_path)
+    writer = TableWriter(path, buffers, LAYOUT)
+    delta = read_delta(_write(tmp_path / "d.delta"), LAYOUT)
+    with pytest.raises(RuntimeError, match="undo is lost"):
+        apply_delta(delta, writer, RowLock(tmp_path), tmp_path, Pace(), start_row=2, undo=tmp_path / "1.undo")
 
 
 def test_no_reader_sees_a_torn_row(tmp_path):
