@@ -3,6 +3,7 @@ kept while a worker holds it and removed once none does."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import multiprocessing
 import os
@@ -42,6 +43,29 @@ def test_the_workers_of_a_model_share_one_copy_and_the_archive_stays_as_it_was(a
     assert other_weights.folder != first.folder
     for tables in (first, second, other_weights):
         _release(tables)
+
+
+def _cached_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache (``mincore`` on a mapping of it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    with open(path, "r+b") as file, mmap.mmap(file.fileno(), size) as mapped:
+        resident = (ctypes.c_ubyte * pages)()
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), resident) == 0, ctypes.get_errno()
+        return sum(page & 1 for page in resident)
+
+
+def test_the_archives_pages_leave_the_page_cache_once_copied(archive, tmp_path):
+    """Nothing reads them again; left there, the kernel's cold-page reclaim pages them out later
+    (GiBs of them, minutes after the copy), while the model serves."""
+    source = archive / "weights.pt"
+    source.read_bytes()
+    assert _cached_pages(source) > 1000  # of 2,048
+    tables = SharedTables.open(archive, source, "f" * 64, (tmp_path / "shm",))
+    assert _cached_pages(source) == 0
+    _release(tables)
 
 
 def test_a_copy_is_kept_while_any_worker_holds_it_and_swept_after(archive, tmp_path):
