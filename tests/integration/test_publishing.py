@@ -394,6 +394,29 @@ def test_workers_killed_during_an_apply_resume_it(setup, server, tmp_path):
     assert _served(server, "tiny_slow") == pytest.approx(setup["expected"]["new"], abs=1e-6)
 
 
+def test_rollbacks_restore_the_rows_a_killed_writer_and_a_writer_midway_had_kept(setup, server):
+    """Runs after the test above: tiny_slow applied delta 1 in two writers, the first killed
+    midway. Delta 2 (the same rows again) is published and, midway through it, a rollback to 1
+    asked for: the writer finishes 2, undoes it, and delta 1's rows stay. A rollback to 0 then
+    restores the archive's rows from the undo that the killed writer began."""
+    model = "tiny_slow"
+    assert _publish(server, model, "eager-2.delta").status_code == 200
+    start = server.management("GET", f"/freshness/{model}").json()["rows_applied"]
+    deadline = time.monotonic() + 30
+    while server.management("GET", f"/freshness/{model}").json()["rows_applied"] < start + 100:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    rolled = server.management("POST", f"/freshness/{model}", params={"rollback_to": 1})
+    assert rolled.status_code == 200, rolled.text
+    state = _rolled_back(server, model, timeout_s=60)
+    assert (state["applied_sequence"], state["log_head"], state.get("error")) == (1, 1, None), state
+    assert _served(server, model) == pytest.approx(setup["expected"]["new"], abs=1e-6)
+    assert server.management("POST", f"/freshness/{model}", params={"rollback_to": 0}).status_code == 200
+    state = _rolled_back(server, model, timeout_s=60)
+    assert (state["applied_sequence"], state["log_head"], state.get("error")) == (0, 0, None), state
+    assert _served(server, model) == pytest.approx(setup["expected"]["old"], abs=1e-6)
+
+
 def _build_paced(checkpoint: Path, store: Path, name: str) -> Path:
     return build_archive(
         TINY_SPEC, checkpoint=checkpoint, seed=0, name=name, version="1.0", model_store=store,

@@ -256,9 +256,9 @@ class UndoLog:
         header = delta.header
         self.path = path
         self._writer = writer
-        earlier = path.with_name(path.name + ".partial.kept")
-        if path.with_name(path.name + ".partial").exists() and not earlier.exists():
-            os.replace(path.with_name(path.name + ".partial"), earlier)
+        partial, earlier = path.with_name(path.name + ".partial"), path.with_name(path.name + ".partial.kept")
+        if partial.exists() and not earlier.exists():  # (kept already: a writer died keeping it again)
+            os.replace(partial, earlier)
         self._out = DeltaWriter(path, model=header.model, base=header.base, sequence=header.sequence)
         self._total = header.rows
         self.rows = 0
