@@ -289,7 +289,8 @@ class UndoLog:
             size = record_dtype(section.row_bytes).itemsize
             whole = min(section.count, (len(data) - at) // size)
             records = data[at : at + whole * size].view(record_dtype(section.row_bytes))
-            same = int(np.argmin(np.append(records["id"] == delta.records(section)["id"][:whole], False)))
+            differ = np.flatnonzero(records["id"] != delta.records(section)["id"][:whole])
+            same = int(differ[0]) if len(differ) else whole  # the leading records with the delta's ids
             if same:
                 self._out.add(self._writer.layout.table(section.name), records["id"][:same], records["row"][:same])
             self.rows += same

@@ -248,12 +248,15 @@ class WorkerFreshness:
         return {"status": 200, "rolling_back_to": to, "from": head}
 
     def _roll_back(self, log: Path, to: int) -> None:
-        """The writer's part of a rollback: the undo files, newest first, at the model's pace;
-        then the later deltas leave the log (moved aside, kept). Done again from the start if the
-        writer dies halfway (undoing is idempotent: each undo file holds the bytes from before)."""
+        """The writer's part of a rollback, at the model's pace: a delta half applied is finished
+        first (its undo is whole once it is), then the undo files, newest first; then the later deltas
+        leave the log (moved aside, kept). Done again from the start if the writer dies halfway
+        (undoing is idempotent: each undo file holds the bytes from before)."""
         entries = log_entries(log)
         head = max(entries, default=0)
-        state = AppliedState.read(self.folder)  # no delta half applied: _catch_up finishes it first
+        if AppliedState.read(self.folder).partial:
+            self._apply_next(log, entries, self.pace)
+        state = AppliedState.read(self.folder)
         writer = self._table_writer()
         for sequence in range(state.sequence, to, -1):
             write_rows(read_delta(undo_file(log, sequence), self.layout), writer, self._writer_lock, self.pace)
@@ -302,8 +305,6 @@ class WorkerFreshness:
             pace = self.pace if paced else Pace(rows_per_s=float("inf"), chunk_rows=self.pace.chunk_rows)
             rollback = _pending_rollback(log)
             if rollback is not None:
-                if AppliedState.read(self.folder).partial:  # its undo is whole once it is: finished first
-                    self._apply_next(log, entries, pace)
                 self._roll_back(log, rollback["to"])
                 entries = log_entries(log)
             while self._apply_next(log, entries, pace):

@@ -23,12 +23,14 @@ from handlers.runtime.freshness.applier import (
 )
 from handlers.runtime.freshness.config import FreshnessConfig
 from handlers.runtime.freshness.delta_file import (
+    MAGIC,
     DeltaError,
     DeltaWriter,
     check_dense,
     dense_shapes,
     read_delta,
     read_header,
+    record_dtype,
 )
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout, table_buffers
 from handlers.runtime.freshness.shared_tables import SharedTables
@@ -106,13 +108,13 @@ def _with_ids(path: Path, ids: list[int]) -> Path:
     length = int.from_bytes(data[-16:-8], "little")
     header = orjson.loads(bytes(data[-16 - length : -16]))
     section = header["tables"][0]
-    records = np.frombuffer(data, np.uint8, section["count"] * (8 + section["row_bytes"]), section["offset"]).copy()
-    records = records.view([("id", "<i8"), ("row", np.uint8, (section["row_bytes"],))])
+    kind = record_dtype(section["row_bytes"])
+    records = np.frombuffer(data, kind, section["count"], section["offset"]).copy()
     records["id"] = ids
     data[section["offset"] : section["offset"] + records.nbytes] = records.tobytes()
     section["xxh3_128"] = xxhash.xxh3_128_hexdigest(records.tobytes())
     new_header = orjson.dumps(header)
-    path.write_bytes(bytes(data[: -16 - length]) + new_header + len(new_header).to_bytes(8, "little") + b"TRSDELT1")
+    path.write_bytes(bytes(data[: -16 - length]) + new_header + len(new_header).to_bytes(8, "little") + MAGIC)
     return path
 
 
