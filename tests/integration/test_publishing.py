@@ -109,6 +109,13 @@ def _served(server: LocalTorchServe, model: str) -> list[float]:
     return [x for a in answers for x in a.json()["scores"]]
 
 
+def _policies(pid: int) -> dict[str, int]:
+    """A worker's main thread's scheduling policy, and how many of its other threads run SCHED_IDLE."""
+    threads = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+    return {"main": os.sched_getscheduler(pid),
+            "others_idle": sum(os.sched_getscheduler(t) == os.SCHED_IDLE for t in threads)}
+
+
 def _publish(server: LocalTorchServe, model: str, delta: str):
     return server.management("POST", f"/freshness/{model}", params={"delta": delta})
 
@@ -265,6 +272,10 @@ def test_new_workers_and_a_restarted_server_serve_the_log(setup, server):
     assert scaled.status_code == 200, scaled.text
     for _ in range(4):  # both workers answer in turn
         assert _served(server, model) == pytest.approx(setup["expected"]["new"], abs=1e-6)
+    workers = server.management("GET", f"/freshness/{model}").json()["workers"]
+    assert len(workers) == 2, workers
+    for worker in workers:  # the forwards at the machine's normal priority; the log follower below it
+        assert _policies(worker["pid"]) == {"main": os.SCHED_OTHER, "others_idle": 1}, worker
     with LocalTorchServe(model_store=setup["store"]) as restarted:
         assert restarted.register("tiny_eager.mar").status_code == 200
         state = restarted.management("GET", f"/freshness/{model}").json()

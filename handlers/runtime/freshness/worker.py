@@ -41,6 +41,7 @@ import torch
 from handlers.runtime.artifacts import Artifact, aoti_weights_file
 from handlers.runtime.batching import Batch
 from handlers.runtime.errors import ServingError
+from handlers.runtime.freshness.background import in_background, lower_this_thread
 from handlers.runtime.freshness.applier import AppliedState, Pace, RowLock, TableWriter, apply_delta, write_rows
 from handlers.runtime.freshness.config import FreshnessConfig
 from handlers.runtime.freshness.delta_file import DeltaError, check_dense, read_delta, read_header
@@ -118,7 +119,9 @@ class WorkerFreshness:
         if not (model_dir / LOG_POINTER).exists():
             return "no delta log is named for this model: register it through the plugin to publish deltas"
         try:
-            tables = SharedTables.open(model_dir, archive_file, layout.fingerprint, config.tables_roots)
+            tables = in_background(  # gigabytes copied: at a priority that leaves serving its cores
+                lambda: SharedTables.open(model_dir, archive_file, layout.fingerprint, config.tables_roots),
+                "freshness-copy")
         except OSError as e:  # the model still serves, from the archive's own file
             return f"no working copy of the tables could be made ({e}); free memory or set freshness.tables_dir"
         return cls(model_dir, tables, layout, config.pace)
@@ -130,6 +133,17 @@ class WorkerFreshness:
         its head, by this worker (unpaced) or by the one applying it already; then follows the
         log."""
         self.dense = dense_slot(runner)
+        in_background(self._prepare, "freshness-replay")  # while an older version may serve
+        self._note_worker()
+        # The follower thread shares this process's GIL with the forwards: let a forward take it
+        # back within 1 ms rather than Python's default 5.
+        sys.setswitchinterval(0.001)
+        self._thread = threading.Thread(target=self._follow, name="freshness", daemon=True)
+        self._thread.start()
+
+    def _prepare(self) -> None:
+        """The tables mapped, pinned and brought up to the log's head, with the dense weights
+        that go with it."""
         # Mapped and pinned before serving: pinning a mapping later (6 GiB: 1.5M pages) would hold
         # up this process's memory calls, the forwards' among them, for a second or more.
         self._writer = _writer(self.weights_file, self.layout)
@@ -141,12 +155,6 @@ class WorkerFreshness:
                 time.sleep(0.05)
         if log is not None:
             self._sync_dense(log)
-        self._note_worker()
-        # The follower thread shares this process's GIL with the forwards: let a forward take it
-        # back within 1 ms rather than Python's default 5.
-        sys.setswitchinterval(0.001)
-        self._thread = threading.Thread(target=self._follow, name="freshness", daemon=True)
-        self._thread.start()
 
     # -- the plugin's calls ----------------------------------------------------------------------
 
@@ -277,6 +285,7 @@ class WorkerFreshness:
         return _pending_rollback(log) is not None or AppliedState.read(self.folder).sequence < head
 
     def _follow(self) -> None:
+        lower_this_thread()  # serving first: the writer gets the cores' idle time
         swept = time.monotonic()
         while True:
             time.sleep(FOLLOW_EVERY_S)

@@ -1,0 +1,31 @@
+"""Freshness work on lowered threads: the work runs ``SCHED_IDLE``, the caller keeps its policy,
+and the work's value or error comes back to the caller."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from handlers.runtime.freshness.background import in_background
+
+
+def _policy() -> int:
+    return os.sched_getscheduler(threading.get_native_id())
+
+
+def test_work_runs_on_an_idle_priority_thread_and_the_caller_keeps_its_own():
+    before = _policy()
+    seen = in_background(lambda: (threading.get_native_id(), _policy()), "test")
+    assert seen[0] != threading.get_native_id()
+    assert seen[1] == os.SCHED_IDLE
+    assert _policy() == before == os.SCHED_OTHER
+
+
+def test_the_works_error_is_raised_in_the_caller():
+    def fail() -> None:
+        raise ValueError("tables: no room")
+
+    with pytest.raises(ValueError, match="tables: no room"):
+        in_background(fail, "test")
