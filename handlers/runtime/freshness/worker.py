@@ -265,6 +265,10 @@ class WorkerFreshness:
         if AppliedState.read(self.folder).partial:
             self._apply_next(log, entries, self.pace)
         state = AppliedState.read(self.folder)
+        missing = [undo_file(log, s).name for s in range(state.sequence, to, -1) if not undo_file(log, s).exists()]
+        if missing:  # checked first: undoing some deltas and not others would leave rows the state does not name
+            raise RuntimeError(f"rollback to {to}: {', '.join(missing)} missing from {log}, so the rows those deltas "
+                               "overwrote cannot be restored; nothing was undone")
         writer = self._table_writer()
         for sequence in range(state.sequence, to, -1):
             write_rows(read_delta(undo_file(log, sequence), self.layout), writer, self._writer_lock, self.pace)

@@ -334,6 +334,26 @@ def test_a_bad_freshness_section_in_the_model_config_names_the_key(raw, problem)
     assert config.pace.rows_per_s == 10 and config.tables_roots[0] == Path("/big/tmpfs")
 
 
+def test_an_earlier_writers_undo_is_kept_only_as_far_as_its_ids_are_the_deltas(tmp_path):
+    """A partial undo whose fourth record is not the delta's fourth row (a log folder changed
+    under the writer): its first three rows are kept, the rest is not trusted. A writer that had
+    written four rows cannot resume on it; one that had written three completes it."""
+    path, _, buffers = _weights_file(tmp_path)
+    writer = TableWriter(path, buffers, LAYOUT)
+    _numbered(writer, tmp_path)
+    delta = read_delta(_write(tmp_path / "d.delta", sections=[(TABLES[0], np.arange(10, 20), _rows(TABLES[0], 10, 200))]), LAYOUT)
+    earlier = np.zeros(4, record_dtype(TABLES[0].row_bytes))
+    earlier["id"] = [10, 11, 12, 99]
+    earlier["row"] = 7  # what the earlier writer read as the old rows
+    (tmp_path / "1.undo.partial").write_bytes(earlier.tobytes())
+    with pytest.raises(RuntimeError, match="holds the old values of 3 rows .* but 4 are written already"):
+        apply_delta(delta, writer, RowLock(tmp_path), tmp_path, Pace(), start_row=4, undo=tmp_path / "1.undo")
+    apply_delta(delta, writer, RowLock(tmp_path), tmp_path, Pace(), start_row=3, undo=tmp_path / "1.undo")
+    undo = read_delta(tmp_path / "1.undo", LAYOUT).records(delta.header.tables[0])
+    assert undo["id"].tolist() == list(range(10, 20))
+    assert (undo["row"][:3] == 7).all() and undo["row"][3:, 0].tolist() == list(range(13, 20))
+
+
 def test_while_a_rollback_is_under_way_a_second_one_and_publishes_are_refused(tmp_path):
     """A rollback is asked for durably and carried out later by the writer: meanwhile the log
     must not move, so another rollback and any publish get a 409 naming it."""
@@ -351,3 +371,24 @@ def test_while_a_rollback_is_under_way_a_second_one_and_publishes_are_refused(tm
     publish = freshness.command({"op": "check", "delta": str(_write(tmp_path / "next.delta", sequence=2)), "log": str(log)})
     assert publish["status"] == 409 and "rollback to 0" in publish["message"]
     assert freshness.command({"op": "rollback", "to": 1, "log": str(log)})["status"] == 409  # to another sequence too
+
+
+def test_a_rollback_whose_undo_is_missing_undoes_nothing_and_says_which(tmp_path):
+    from handlers.runtime.freshness.worker import ROLLBACK_MARK, WorkerFreshness
+
+    path, _, buffers = _weights_file(tmp_path)
+    log = tmp_path / "log"
+    log.mkdir()
+    _write(log / "00000001.delta")
+    _write(log / "00000002.delta", sequence=2, sections=[(TABLES[0], np.array([3, 4]), _rows(TABLES[0], 2, 9))])
+    freshness = WorkerFreshness(tmp_path, SharedTables(tmp_path, path, hold=-1), LAYOUT, Pace())
+    freshness._writer = TableWriter(path, buffers, LAYOUT)  # as start() makes it
+    freshness._catch_up(log, paced=False)
+    assert AppliedState.read(tmp_path).sequence == 2
+    applied = _table_a(buffers).clone()
+    (log / "00000001.undo").unlink()
+    assert freshness.command({"op": "rollback", "to": 0, "log": str(log)})["status"] == 200
+    with pytest.raises(RuntimeError, match="rollback to 0: 00000001.undo missing .* nothing was undone"):
+        freshness._catch_up(log, paced=False)
+    assert torch.equal(_table_a(buffers), applied)  # delta 2's rows too, though its undo is there
+    assert AppliedState.read(tmp_path).sequence == 2 and (log / ROLLBACK_MARK).exists()
