@@ -49,6 +49,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from handlers.runtime.freshness.background import Turns
+
 logger = logging.getLogger(__name__)
 
 ROOTS = (Path("/dev/shm/torchrec-serve"), Path(tempfile.gettempdir()) / "torchrec-serve-tables")
@@ -57,6 +59,7 @@ COPY_LOCK = "copy.lock"
 HEADROOM_BYTES = 256 << 20  # left free on the chosen file system beyond the copy
 _MLOCK_ONFAULT = 1
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14
+PIN_STEP_BYTES = 256 << 20  # pinned per turn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,17 +207,22 @@ def pin_in_memory(path: Path) -> int | str:
     the writer's writable (``MADV_POPULATE_WRITE``), then locked (``mlock2(MLOCK_ONFAULT)``, so
     nothing is read in again). The pages are the copy's, shared by every worker, so this costs
     no memory beyond page tables (2 MiB per GiB mapped), and no forward or row write ever waits
-    on a page fault. Returns the bytes pinned, or why not (an unprivileged process's
-    ``RLIMIT_MEMLOCK``): serving goes on either way."""
+    on a page fault. It goes ``PIN_STEP_BYTES`` at a time, in turns (``background.Turns``): the
+    kernel's work, seconds of it for 12 GiB of mappings, would otherwise fill every idle cycle.
+    Returns the bytes pinned, or why not (an unprivileged process's ``RLIMIT_MEMLOCK``): serving
+    goes on either way."""
     libc = ctypes.CDLL(None, use_errno=True)  # calls release the GIL: the forwards go on
+    turns = Turns()
     pinned = 0
     for mapping in mappings(path):
-        address, length = ctypes.c_void_p(mapping.start), ctypes.c_size_t(mapping.end - mapping.start)
         populate = _MADV_POPULATE_WRITE if mapping.shared else _MADV_POPULATE_READ
-        if libc.madvise(address, length, populate) != 0:
-            return f"madvise of {path} failed ({_errno()}): MADV_POPULATE_* needs Linux 5.14"
-        if libc.mlock2(address, length, _MLOCK_ONFAULT) != 0:
-            return f"mlock2 of {path} failed ({_errno()}): raise the memlock limit (ulimit -l) to keep the tables mapped"
+        for start in range(mapping.start, mapping.end, PIN_STEP_BYTES):
+            address, length = ctypes.c_void_p(start), ctypes.c_size_t(min(PIN_STEP_BYTES, mapping.end - start))
+            if libc.madvise(address, length, populate) != 0:
+                return f"madvise of {path} failed ({_errno()}): MADV_POPULATE_* needs Linux 5.14"
+            if libc.mlock2(address, length, _MLOCK_ONFAULT) != 0:
+                return f"mlock2 of {path} failed ({_errno()}): raise the memlock limit (ulimit -l) to keep the tables mapped"
+            turns.rest()
         pinned += mapping.end - mapping.start
     return pinned
 

@@ -6,8 +6,8 @@ The model's delta log is a folder the plugin keeps (``<model store>/deltas/<mode
 plugin names it in ``freshness-log.json`` in the model's folder before the first worker loads.
 The workers serve, and the writer changes, a working copy of the archive's tables in shared memory
 (``freshness.shared_tables``), whose folder also keeps the copy's state. At load, a worker applies
-whatever the log holds beyond that state, unpaced, before it serves (a restarted server serves
-what it served before). Afterwards every worker follows the log: the
+whatever the log holds beyond that state before it serves (a restarted server serves what it
+served before), at ``CATCH_UP_ROWS_PER_S``. Afterwards every worker follows the log: the
 one that holds the writer lock applies new deltas at the model's pace; if it dies, another takes
 the lock and resumes where the state file says.
 
@@ -56,7 +56,10 @@ LOG_POINTER = "freshness-log.json"
 WORKERS_FOLDER = "freshness-workers"
 ROLLBACK_MARK = "rollback.json"  # in the log folder: a rollback asked for and not done yet
 FOLLOW_EVERY_S = 0.2
-SWEEP_EVERY_S = 60.0  # copies of tables no worker serves any more are removed
+SWEEP_EVERY_S = 60.0
+# A loading worker's replay of the log: about a quarter of a core here. Faster, it would fill the
+# cores that an older version serves on (see ``freshness.background``).
+CATCH_UP_ROWS_PER_S = 500_000.0  # copies of tables no worker serves any more are removed
 
 
 def log_entries(log: Path) -> dict[int, Path]:
@@ -130,8 +133,8 @@ class WorkerFreshness:
 
     def start(self, runner: object) -> None:
         """``runner``: the model loaded on ``weights_file``. Returns once the log is applied up to
-        its head, by this worker (unpaced) or by the one applying it already; then follows the
-        log."""
+        its head, by this worker (at ``CATCH_UP_ROWS_PER_S``) or by the one applying it already;
+        then follows the log."""
         self.dense = dense_slot(runner)
         in_background(self._prepare, "freshness-replay")  # while an older version may serve
         self._note_worker()
@@ -150,7 +153,7 @@ class WorkerFreshness:
         self._pin_tables()
         log = self._log()
         while log is not None and self._behind(log):
-            self._catch_up(log, paced=False)  # at once, when another worker holds the writer lock
+            self._catch_up(log, Pace(CATCH_UP_ROWS_PER_S, self.pace.chunk_rows))  # or another worker does
             if self._behind(log):
                 time.sleep(0.05)
         if log is not None:
@@ -300,7 +303,7 @@ class WorkerFreshness:
             if log is None:
                 continue
             try:
-                self._catch_up(log, paced=True)
+                self._catch_up(log, self.pace)
                 self._sync_dense(log)
                 self.error = None
             except Exception as e:  # a bad log entry must not stop the worker serving
@@ -308,14 +311,13 @@ class WorkerFreshness:
                     logger.exception("applying the delta log %s failed", log)
                 self.error = str(e)
 
-    def _catch_up(self, log: Path, paced: bool) -> None:
+    def _catch_up(self, log: Path, pace: Pace) -> None:
         if not self._behind(log):
             return
         with self.lock.sole_writer(self.folder) as writer:
             if not writer:
                 return  # another worker applies them
             entries = log_entries(log)
-            pace = self.pace if paced else Pace(rows_per_s=float("inf"), chunk_rows=self.pace.chunk_rows)
             rollback = _pending_rollback(log)
             if rollback is not None:
                 self._roll_back(log, rollback["to"])

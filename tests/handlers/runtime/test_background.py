@@ -1,5 +1,6 @@
 """Freshness work on lowered threads: the work runs ``SCHED_IDLE``, the caller keeps its policy,
-and the work's value or error comes back to the caller."""
+and the work's value or error comes back to the caller; a loop of it keeps to its share of the
+time."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import threading
 
 import pytest
 
-from handlers.runtime.freshness.background import in_background
+from handlers.runtime.freshness import background
+from handlers.runtime.freshness.background import Turns, in_background
 
 
 def _policy() -> int:
@@ -29,3 +31,14 @@ def test_the_works_error_is_raised_in_the_caller():
 
     with pytest.raises(ValueError, match="tables: no room"):
         in_background(fail, "test")
+
+
+def test_turns_rest_in_proportion_to_the_step_so_the_work_keeps_its_share(monkeypatch):
+    clock = iter([0.0, 0.040, 0.160, 0.220, 0.400])  # steps of 40 ms and of 60 ms, each slept after
+    slept = []
+    monkeypatch.setattr(background.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(background.time, "sleep", slept.append)
+    turns = Turns(0.25)
+    turns.rest()
+    turns.rest()
+    assert slept == pytest.approx([0.120, 0.180])  # a quarter of the time working

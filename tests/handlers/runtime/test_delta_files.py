@@ -383,12 +383,12 @@ def test_a_rollback_whose_undo_is_missing_undoes_nothing_and_says_which(tmp_path
     _write(log / "00000002.delta", sequence=2, sections=[(TABLES[0], np.array([3, 4]), _rows(TABLES[0], 2, 9))])
     freshness = WorkerFreshness(tmp_path, SharedTables(tmp_path, path, hold=-1), LAYOUT, Pace())
     freshness._writer = TableWriter(path, buffers, LAYOUT)  # as start() makes it
-    freshness._catch_up(log, paced=False)
+    freshness._catch_up(log, Pace())
     assert AppliedState.read(tmp_path).sequence == 2
     applied = _table_a(buffers).clone()
     (log / "00000001.undo").unlink()
     assert freshness.command({"op": "rollback", "to": 0, "log": str(log)})["status"] == 200
     with pytest.raises(RuntimeError, match="rollback to 0: 00000001.undo missing .* nothing was undone"):
-        freshness._catch_up(log, paced=False)
+        freshness._catch_up(log, Pace())
     assert torch.equal(_table_a(buffers), applied)  # delta 2's rows too, though its undo is there
     assert AppliedState.read(tmp_path).sequence == 2 and (log / ROLLBACK_MARK).exists()
