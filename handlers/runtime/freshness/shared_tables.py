@@ -13,9 +13,11 @@ So the first worker of a model copies the archive's tables file into a folder of
 the system's temporary folder. The folder also holds the copy's freshness state (the applied
 sequence, the row lock, the workers' notes), so the copy and what is known about it always go
 together. It is named by the archive's folder and fingerprint: every worker of the model finds
-the same one. Once copied, the archive file's pages leave the page cache (nothing reads them
-again): left there, the kernel's cold-page reclaim pages the 6 GiB out about a minute later, and
-the freshness benchmark's worst stalls of serving (100-400 ms) came while it did.
+the same one. The archive file is read around the page cache (``O_DIRECT``), and whatever of it
+was cached already is dropped: nothing reads it again. Left there, 6 GiB of page cache is paged
+out by the kernel's cold-page reclaim a minute later, or, dropped at once, given back to the host
+by the balloon's free page reporting over the next 20 s; either way the host's work on it
+paused the whole virtual machine, serving included, for 20-100 ms at a time.
 
 Each worker maps all of the copy at once and locks its mappings (``pin_in_memory``): the copy is
 memory already, but a first touch of each page would cost a page fault on the serving path (the
@@ -42,6 +44,7 @@ import errno
 import fcntl
 import hashlib
 import logging
+import mmap
 import os
 import shutil
 import tempfile
@@ -60,6 +63,7 @@ HEADROOM_BYTES = 256 << 20  # left free on the chosen file system beyond the cop
 _MLOCK_ONFAULT = 1
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14
 PIN_STEP_BYTES = 256 << 20  # pinned per turn
+COPY_STEP_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,13 +163,45 @@ def _copy(source: Path, folder: Path) -> None:
                 shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
         started = time.perf_counter()
         staged = copy.with_name(copy.name + ".partial")
-        shutil.copyfile(source, staged)
+        _copy_around_cache(source, staged)
         os.replace(staged, copy)
-        _drop_cached_pages(source)
+        _drop_cached_pages(source)  # what was cached before (an archive just built)
         logger.info("copied the tables (%.1f GiB) to %s in %.1fs", copy.stat().st_size / 2**30, copy,
                     time.perf_counter() - started)
     finally:
         os.close(fd)
+
+
+def _copy_around_cache(source: Path, target: Path) -> None:
+    """Copies ``source`` to ``target`` reading it with ``O_DIRECT``: none of it enters the page
+    cache. A file system that refuses ``O_DIRECT`` gets a plain copy."""
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        shutil.copyfile(source, target)
+        return
+    buffer = mmap.mmap(-1, COPY_STEP_BYTES)  # page-aligned, as O_DIRECT needs
+    try:
+        with memoryview(buffer) as view, open(target, "wb") as out:
+            size, offset = os.fstat(fd).st_size, 0
+            while offset < size:  # whole steps until the last (an unaligned offset is refused)
+                try:
+                    read = os.preadv(fd, [view], offset)
+                except OSError as e:
+                    if e.errno != errno.EINVAL or offset:
+                        raise
+                    out.close()
+                    shutil.copyfile(source, target)
+                    return
+                if read <= 0:
+                    raise OSError(f"{source}: nothing read at byte {offset} of {size}")
+                out.write(view[:read])
+                offset += read
+    finally:
+        os.close(fd)
+        buffer.close()
 
 
 def _drop_cached_pages(path: Path) -> None:

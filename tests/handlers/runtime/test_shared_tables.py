@@ -10,10 +10,17 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from handlers.runtime.freshness.applier import STATE_FILE
-from handlers.runtime.freshness.shared_tables import SharedTables, pin_in_memory, sweep
+from handlers.runtime.freshness.shared_tables import (
+    SharedTables,
+    _copy_around_cache,
+    _drop_cached_pages,
+    pin_in_memory,
+    sweep,
+)
 
 
 @pytest.fixture
@@ -66,6 +73,18 @@ def test_the_archives_pages_leave_the_page_cache_once_copied(archive, tmp_path):
     tables = SharedTables.open(archive, source, "f" * 64, (tmp_path / "shm",))
     assert _cached_pages(source) == 0
     _release(tables)
+
+
+def test_the_copy_reads_the_archive_around_the_page_cache(tmp_path):
+    """Dropped later, GiBs of cached archive are given back to the host while the model serves."""
+    source = tmp_path / "weights.bin"
+    data = np.random.default_rng(0).integers(0, 256, (16 << 20) + 12345, dtype=np.uint8).tobytes()  # a short last step
+    source.write_bytes(data)
+    _drop_cached_pages(source)
+    assert _cached_pages(source) == 0
+    _copy_around_cache(source, tmp_path / "copy.bin")
+    assert _cached_pages(source) == 0
+    assert (tmp_path / "copy.bin").read_bytes() == data
 
 
 def test_a_copy_is_kept_while_any_worker_holds_it_and_swept_after(archive, tmp_path):
