@@ -274,8 +274,9 @@ def test_new_workers_and_a_restarted_server_serve_the_log(setup, server):
         assert _served(server, model) == pytest.approx(setup["expected"]["new"], abs=1e-6)
     workers = server.management("GET", f"/freshness/{model}").json()["workers"]
     assert len(workers) == 2, workers
-    for worker in workers:  # the forwards at the machine's normal priority; the log follower below it
-        assert _policies(worker["pid"]) == {"main": os.SCHED_OTHER, "others_idle": 1}, worker
+    for worker in workers:  # the forwards at the machine's normal priority; the log follower (and its
+        policies = _policies(worker["pid"])  # intra-op threads, if it made any) below it
+        assert policies["main"] == os.SCHED_OTHER and policies["others_idle"] >= 1, (worker, policies)
     with LocalTorchServe(model_store=setup["store"]) as restarted:
         assert restarted.register("tiny_eager.mar").status_code == 200
         state = restarted.management("GET", f"/freshness/{model}").json()

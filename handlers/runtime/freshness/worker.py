@@ -41,8 +41,8 @@ import torch
 from handlers.runtime.artifacts import Artifact, aoti_weights_file
 from handlers.runtime.batching import Batch
 from handlers.runtime.errors import ServingError
-from handlers.runtime.freshness.background import in_background, lower_this_thread
 from handlers.runtime.freshness.applier import AppliedState, Pace, RowLock, TableWriter, apply_delta, write_rows
+from handlers.runtime.freshness.background import in_background, lower_this_thread
 from handlers.runtime.freshness.config import FreshnessConfig
 from handlers.runtime.freshness.delta_file import DeltaError, check_dense, read_delta, read_header
 from handlers.runtime.freshness.dense import DenseSlot, dense_slot
@@ -56,10 +56,10 @@ LOG_POINTER = "freshness-log.json"
 WORKERS_FOLDER = "freshness-workers"
 ROLLBACK_MARK = "rollback.json"  # in the log folder: a rollback asked for and not done yet
 FOLLOW_EVERY_S = 0.2
-SWEEP_EVERY_S = 60.0
+SWEEP_EVERY_S = 60.0  # copies of tables no worker serves any more are removed
 # A loading worker's replay of the log: about a quarter of a core here. Faster, it would fill the
 # cores that an older version serves on (see ``freshness.background``).
-CATCH_UP_ROWS_PER_S = 500_000.0  # copies of tables no worker serves any more are removed
+CATCH_UP_ROWS_PER_S = 500_000.0
 
 
 def log_entries(log: Path) -> dict[int, Path]:
