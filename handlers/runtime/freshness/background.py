@@ -32,21 +32,18 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def lower_this_thread() -> str | None:
-    """Schedules the calling thread ``SCHED_IDLE`` (or at nice 19 where that is refused); returns
-    why it could not be lowered at all, or None."""
+def lower_this_thread() -> None:
+    """Schedules the calling thread ``SCHED_IDLE``, or at nice 19 where that is refused (a
+    warning where both are)."""
     thread = threading.get_native_id()
     try:
         os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
-        return None
     except (AttributeError, OSError) as idle_refused:  # not Linux, or a sandbox that refuses it
         try:
             os.setpriority(os.PRIO_PROCESS, thread, 19)  # a thread id: that thread alone on Linux
-            return None
         except (AttributeError, OSError) as nice_refused:
-            why = f"SCHED_IDLE: {idle_refused}; nice 19: {nice_refused}"
-            logger.warning("freshness work runs at serving's priority (%s)", why)
-            return why
+            logger.warning("freshness work runs at serving's priority (SCHED_IDLE: %s; nice 19: %s)",
+                           idle_refused, nice_refused)
 
 
 class Turns:

@@ -176,25 +176,21 @@ def _copy_around_cache(source: Path, target: Path) -> None:
     """Copies ``source`` to ``target`` reading it with ``O_DIRECT``: none of it enters the page
     cache. A file system that refuses ``O_DIRECT`` gets a plain copy."""
     try:
-        fd = os.open(source, os.O_RDONLY | os.O_DIRECT)
+        _copy_direct(source, target)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
         shutil.copyfile(source, target)
-        return
+
+
+def _copy_direct(source: Path, target: Path) -> None:
+    fd = os.open(source, os.O_RDONLY | os.O_DIRECT)
     buffer = mmap.mmap(-1, COPY_STEP_BYTES)  # page-aligned, as O_DIRECT needs
     try:
         with memoryview(buffer) as view, open(target, "wb") as out:
             size, offset = os.fstat(fd).st_size, 0
             while offset < size:  # whole steps until the last (an unaligned offset is refused)
-                try:
-                    read = os.preadv(fd, [view], offset)
-                except OSError as e:
-                    if e.errno != errno.EINVAL or offset:
-                        raise
-                    out.close()
-                    shutil.copyfile(source, target)
-                    return
+                read = os.preadv(fd, [view], offset)
                 if read <= 0:
                     raise OSError(f"{source}: nothing read at byte {offset} of {size}")
                 out.write(view[:read])

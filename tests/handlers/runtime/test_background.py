@@ -25,6 +25,15 @@ def test_work_runs_on_an_idle_priority_thread_and_the_caller_keeps_its_own():
     assert _policy() == before == os.SCHED_OTHER
 
 
+def test_where_sched_idle_is_refused_the_work_runs_at_nice_19(monkeypatch):
+    def refused(*args):
+        raise PermissionError("sched_setscheduler: not permitted")
+
+    monkeypatch.setattr(background.os, "sched_setscheduler", refused)
+    nice = in_background(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), "test")
+    assert nice == 19 and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19
+
+
 def test_the_works_error_is_raised_in_the_caller():
     def fail() -> None:
         raise ValueError("tables: no room")

@@ -4,6 +4,7 @@ kept while a worker holds it and removed once none does."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import multiprocessing
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from handlers.runtime.freshness import shared_tables
 from handlers.runtime.freshness.applier import STATE_FILE
 from handlers.runtime.freshness.shared_tables import (
     SharedTables,
@@ -85,6 +87,16 @@ def test_the_copy_reads_the_archive_around_the_page_cache(tmp_path):
     _copy_around_cache(source, tmp_path / "copy.bin")
     assert _cached_pages(source) == 0
     assert (tmp_path / "copy.bin").read_bytes() == data
+
+
+def test_a_file_system_that_refuses_o_direct_gets_a_plain_copy(tmp_path, monkeypatch):
+    def refused(*args):
+        raise OSError(errno.EINVAL, "O_DIRECT: invalid argument")
+
+    monkeypatch.setattr(shared_tables, "_copy_direct", refused)
+    (tmp_path / "weights.bin").write_bytes(b"rows" * 1000)
+    _copy_around_cache(tmp_path / "weights.bin", tmp_path / "copy.bin")
+    assert (tmp_path / "copy.bin").read_bytes() == b"rows" * 1000
 
 
 def test_a_copy_is_kept_while_any_worker_holds_it_and_swept_after(archive, tmp_path):
