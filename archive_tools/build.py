@@ -39,21 +39,21 @@ from archive_tools.precision import compare_dense_precisions, suggestion_lines
 from archive_tools.summary import spec_summary
 from archive_tools.validation_data import read_validation
 from archive_tools.verification import Bounds, generated_validation, verify
-from handlers.loading import SPEC_FILE, load_service
+from handlers.loading import load_service
 from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.eager import eager_service
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import input_schema, load_spec
 from handlers.modeling.spec import ModelSpec
 from handlers.modeling.weights import InferenceWeights
+from handlers.runtime.archive_files import HANDLER, HANDLERS, INPUTS, MANIFEST, MODEL_CONFIG, SPEC, VERIFICATION, WEIGHTS
 from handlers.runtime.artifacts import Artifact
-from handlers.runtime.inputs import INPUTS_FILE
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.remote.plan import RemotePlan
 from handlers.runtime.split import SplitPlan
 
 HANDLERS_DIR = Path(handlers.__file__).resolve().parent  # the package every archive carries
-HANDLER_FILE = HANDLERS_DIR / "torchserve_handler.py"
+HANDLER_FILE = HANDLERS_DIR / HANDLER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +150,9 @@ def build_archive(
             stage_files(staging, spec, factory, weights)
             del weights  # a file-backed copy exists now; the reference model keeps what it needs
             if reference is None:  # the tables as saved, mapped: page cache, not a copy
-                reference = factory.inference_model(factory.load_weights(staging / "weights.pt"))
-            weights_bytes = (staging / "weights.pt").stat().st_size
-            config_path = Path(tmp) / "model-config.yaml"
+                reference = factory.inference_model(factory.load_weights(staging / WEIGHTS))
+            weights_bytes = (staging / WEIGHTS).stat().st_size
+            config_path = Path(tmp) / MODEL_CONFIG
             config = serving.model_config(artifact, weights_bytes, split)
             config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
@@ -164,7 +164,7 @@ def build_archive(
             )
             if compare_precisions:
                 stages.set_postfix_str("dense precisions")
-                tables = factory.load_weights(staging / "weights.pt")
+                tables = factory.load_weights(staging / WEIGHTS)
                 rows = compare_dense_precisions(spec, tables, reference_service, data, bounds)
                 for line in suggestion_lines(rows):
                     tqdm.write(line, file=sys.stderr)
@@ -180,10 +180,10 @@ def build_archive(
             report = verify(served, reference_service, data, bounds)
             for line in report.lines("built" if quantized_init else "float"):
                 tqdm.write(line, file=sys.stderr)
-            report_path = model_store / f"{name}.verification.json"
+            report_path = model_store / f"{name}.{VERIFICATION}"
             model_store.mkdir(parents=True, exist_ok=True)
             report_path.write_bytes(report.to_json())
-            (staging / "verification.json").write_bytes(report.to_json())  # kept inside the archive
+            (staging / VERIFICATION).write_bytes(report.to_json())  # kept inside the archive
             if not report.passed:
                 raise VerificationFailed(
                     f"refusing to write {name}: {'; '.join(report.failures)} (report: {report_path})"
@@ -229,11 +229,11 @@ def served_weights(
 
 def stage_files(staging: Path, spec: ModelSpec, factory: DLRMFactory, weights: InferenceWeights) -> None:
     """The archive's extra files: the handlers package, the spec, its inputs, the weights."""
-    shutil.copytree(HANDLERS_DIR, staging / "handlers", ignore=shutil.ignore_patterns("__pycache__"))
-    spec.to_yaml(staging / SPEC_FILE)
-    input_schema(spec).save(staging / INPUTS_FILE)
-    factory.save_weights(weights, staging / "weights.pt")
-    factory.tables_layout(staging / "weights.pt").save(staging)  # where deltas write, and the base
+    shutil.copytree(HANDLERS_DIR, staging / HANDLERS, ignore=shutil.ignore_patterns("__pycache__"))
+    spec.to_yaml(staging / SPEC)
+    input_schema(spec).save(staging / INPUTS)
+    factory.save_weights(weights, staging / WEIGHTS)
+    factory.tables_layout(staging / WEIGHTS).save(staging)  # where deltas write, and the base
 
 
 def package_archive(
@@ -281,7 +281,7 @@ def _verifiable(split: SplitPlan | None) -> SplitPlan | None:
 
 def check_replaceable(folder: Path) -> None:
     """Only an archive folder (with ``MAR-INF``) may be replaced by an unzipped build."""
-    if folder.exists() and not (folder / "MAR-INF").is_dir():
+    if folder.exists() and not (folder / MANIFEST).is_file():
         raise FileExistsError(f"{folder} exists and is not an archive folder; not replacing it")
 
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 
 from archive_tools.export import compile_aoti, export_model
-from handlers.loading import SPEC_FILE
 from handlers.modeling.eager import EagerModel, load_eager_model
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import architecture_of, load_spec, synthetic_request
 from handlers.modeling.spec import ModelSpec, ShardingType
 from handlers.modeling.weights import InferenceWeights
+from handlers.runtime.archive_files import SPEC, WEIGHTS
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.batching import coalesce
 from handlers.runtime.split import EMBEDDINGS_INPUT, SplitPlan, dense_tags, sparse_tags
@@ -41,8 +41,8 @@ def capture(staging: Path, artifact: Artifact, split: SplitPlan | None) -> None:
     """Exports the staged eager model, whole or as its two parts (and compiles what is ``aoti``).
     Once a graph file holds the tables, ``weights.pt`` leaves the archive: no table is stored twice.
     """
-    weights = staging / Artifact.EAGER.file_name()
-    spec = load_spec(staging / SPEC_FILE)
+    weights = staging / WEIGHTS
+    spec = load_spec(staging / SPEC)
     eager = load_eager_model(spec, weights)
     decoder = RequestDecoder(architecture_of(spec).input_schema(spec))
     tags = decoder.schema.tags

@@ -20,12 +20,10 @@ import argparse
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
-from archive_tools.archives import archive_folder, load_archive
 from archive_tools.build import (
     ARCHIVE_FORMATS,
     ServingConfig,
@@ -33,18 +31,20 @@ from archive_tools.build import (
     build_archive,
 )
 from archive_tools.delta import DeltaSource, make_delta, verify_delta
-from archive_tools.distributed import build_distributed, is_dense_archive, split_delta
+from archive_tools.distributed import build_distributed, split_delta
 from archive_tools.launcher import LayoutFile, LocalLayout
 from archive_tools.local_server import LocalTorchServe, PortTaken, ServerDied
 from archive_tools.resources import spec_path
 from archive_tools.validation_data import ValidationDataError, read_validation
 from archive_tools.verification import Bounds, generated_validation, verify
-from handlers.loading import SPEC_FILE
+from handlers.loading import load_archive
 from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.eager import eager_service
 from handlers.modeling.errors import CheckpointError, SpecError
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
+from handlers.runtime.archive import Archive
+from handlers.runtime.archive_files import SPEC
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.split import DENSE_ARTIFACTS, DEVICES, SPARSE_ARTIFACTS, SplitPlan
 
@@ -134,7 +134,9 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _delta(args: argparse.Namespace) -> int:
-    if is_dense_archive(args.archive):
+    with Archive.open(args.archive) as archive:
+        is_dense = archive.options.remote is not None
+    if is_dense:
         if args.rows is None or args.checkpoint or args.dense or args.out or args.name:
             raise ValueError(
                 f"{args.archive} is a distributed layout's dense archive: its tables are on its shards; "
@@ -192,15 +194,14 @@ def _delta_args(parser: argparse.ArgumentParser) -> None:
 def _verify(args: argparse.Namespace) -> int:
     """The archive, loaded as a worker loads it, against the float model of its own spec with
     the given weights, on validation data."""
-    with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
-        folder = archive_folder(args.archive, Path(tmp))
-        spec = load_spec(folder / SPEC_FILE)
+    with Archive.open(args.archive) as archive:
+        spec = load_spec(archive.file(SPEC))
         factory = DLRMFactory(spec)
         reference_model = factory.float_model(seed=args.seed)
         if args.checkpoint is not None:
             factory.load_checkpoint(reference_model, read_checkpoint(args.checkpoint))
         reference = eager_service(spec, reference_model)
-        served = load_archive(folder, Path(tmp))
+        served = load_archive(archive)
         data = (
             read_validation(args.validation, spec)
             if args.validation is not None

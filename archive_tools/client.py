@@ -23,9 +23,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import requests
 
-from archive_tools.archives import archive_folder
 from archive_tools.keys import TokenKeys
-from handlers.runtime.inputs import INPUTS_FILE, InputSchema
+from handlers.runtime.archive import Archive
+from handlers.runtime.inputs import InputSchema
 from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH
 from handlers.runtime.wire.v2_tensors import decode_response, encode_request
 
@@ -72,12 +72,8 @@ class ScoringClient:
     @classmethod
     def from_archive(cls, model: str, archive: str | Path, **transport: Any) -> "ScoringClient":
         """The client for a model built as ``archive`` (its ``inputs.json`` says what it takes)."""
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = archive_folder(Path(archive), Path(tmp))
-            schema = InputSchema.from_file(folder / INPUTS_FILE)
-        return cls(model, schema, **transport)
+        with Archive.open(archive) as opened:
+            return cls(model, opened.inputs, **transport)
 
     def score(self, items: Sequence[Item], context: Sequence[float] | None = None) -> np.ndarray:
         """Click probabilities of ``items``, in order; ``context``: the request's context row, for

@@ -16,8 +16,8 @@ changed row is byte-identical to what a full build from the checkpoint holds (``
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import tempfile
-import zipfile
 from pathlib import Path
 from typing import Iterator
 
@@ -25,20 +25,19 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from archive_tools.archives import handler_options
 from archive_tools.export import package_constant
 from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
 from handlers.modeling.spec import ModelSpec
-from handlers.runtime.artifacts import Artifact, aoti_weights_file
+from handlers.runtime.archive import Archive, tables_file_name
+from handlers.runtime.archive_files import SPEC, TABLES, WEIGHTS, aoti_weights_file
+from handlers.runtime.artifacts import Artifact
 from handlers.runtime.freshness.delta_file import DeltaWriter, dense_shapes, read_delta
 from handlers.runtime.freshness.dense import is_table_constant
-from handlers.runtime.freshness.layout import LAYOUT_FILE, TableLayout, TablesLayout, table_buffers
-from handlers.runtime.freshness.worker import tables_file
+from handlers.runtime.freshness.layout import TableLayout, TablesLayout, table_buffers
 from handlers.runtime import fbgemm_ops  # noqa: F401  FBGEMM's quantization operators
 
-SPEC_FILE = "spec.yaml"
 CHUNK_ROWS = 1 << 18
 
 
@@ -92,7 +91,7 @@ def table_rows(buffer: torch.Tensor, table: TableLayout) -> np.ndarray:
 
 def make_delta(archive: Path, source: DeltaSource, out: Path, sequence: int, name: str | None = None) -> DeltaSummary:
     """Writes the delta for ``archive``'s model at ``out`` (one pass, progress on stderr)."""
-    with _BaseArchive(archive) as base:
+    with _base(archive) as base:
         rows: dict[str, int] = {}
         dense = served_dense(base, read_checkpoint(source.dense)) if source.dense else {}
         with DeltaWriter(out, model=name or base.spec.name, base=base.layout.fingerprint, sequence=sequence) as writer:
@@ -109,23 +108,23 @@ def make_delta(archive: Path, source: DeltaSource, out: Path, sequence: int, nam
     return DeltaSummary(Path(out), rows, Path(out).stat().st_size, len(dense))
 
 
-def served_dense(base: "_BaseArchive", checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def served_dense(base: _Base, checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint's dense weights as the archive serves them, by the names it serves them
     under: an eager archive's float dense state, or the dense constants of its compiled package
     (in the spec's dense precision, TorchAO's int8 weights as their inner tensors)."""
     factory = DLRMFactory(base.spec)
     dense = factory.dense_weights(checkpoint)
-    options = handler_options(base.folder)
+    options = base.archive.options
     part = "dense" if options.split is not None else "model"
     kind = options.split.dense if options.split is not None else options.artifact
     if kind == Artifact.EAGER:
-        served, current = dense, factory.load_weights(base.folder / "weights.pt").dense
+        served, current = dense, factory.load_weights(base.archive.file(WEIGHTS)).dense
     elif kind == Artifact.AOTI:
         model = factory.dense_model(dense)
         if options.split is not None:
             model = factory.architecture.split(model)[1]
         state = {**dict(model.named_parameters(prefix="model")), **dict(model.named_buffers(prefix="model"))}
-        current = torch.load(aoti_weights_file(base.folder / kind.file_name(part)), mmap=True, weights_only=True)
+        current = torch.load(base.archive.file(aoti_weights_file(Path(kind.file_name(part))).name), mmap=True, weights_only=True)
         current = {n: t for n, t in current.items() if not is_table_constant(n)}
         served = {n: package_constant(state, n) for n in current}
     else:
@@ -145,12 +144,12 @@ def verify_delta(archive: Path, delta_path: Path, checkpoint: Path) -> list[str]
     """The archive's rows with the delta applied, against the rows of a fresh build from
     ``checkpoint`` (TorchRec's whole-table quantization, as ``build`` runs it): the tables whose
     bytes differ (empty: byte-identical)."""
-    with _BaseArchive(archive) as base, tempfile.TemporaryDirectory(prefix="delta-verify-") as tmp:
+    with _base(archive) as base, tempfile.TemporaryDirectory(prefix="delta-verify-") as tmp:
         delta = read_delta(delta_path, base.layout)
         factory = DLRMFactory(base.spec)
         model = factory.float_model(seed=0)
         factory.load_checkpoint(model, read_checkpoint(checkpoint))
-        fresh_file = Path(tmp) / "weights.pt"
+        fresh_file = Path(tmp) / WEIGHTS
         factory.save_weights(factory.quantize(model), fresh_file)
         fresh = table_buffers(torch.load(fresh_file, mmap=True, weights_only=True))
         differing = []
@@ -165,39 +164,29 @@ def verify_delta(archive: Path, delta_path: Path, checkpoint: Path) -> list[str]
         return differing
 
 
-class _BaseArchive:
-    """An archive's spec, layout and table buffers (mapped), extracted to a temporary folder from a
-    ``.mar``."""
+@dataclasses.dataclass
+class _Base:
+    """What a delta is made against: the archive, its spec, its table layout and its table
+    buffers (mapped from the file that holds them)."""
 
-    def __init__(self, archive: Path) -> None:
-        self.archive = Path(archive)
-        self._tmp: tempfile.TemporaryDirectory | None = None
-
-    def __enter__(self) -> "_BaseArchive":
-        folder = self.archive
-        if not folder.is_dir():
-            self._tmp = tempfile.TemporaryDirectory(prefix="delta-base-")
-            folder = Path(self._tmp.name)
-            with zipfile.ZipFile(self.archive) as z:
-                wanted = [n for n in z.namelist() if n in (SPEC_FILE, LAYOUT_FILE, "model-config.yaml") or n.endswith("weights.pt")]
-                z.extractall(folder, wanted)
-        self.folder = folder
-        if not (folder / LAYOUT_FILE).exists():
-            raise FileNotFoundError(f"{self.archive}: no {LAYOUT_FILE}; rebuild it with this version to publish deltas")
-        self.spec: ModelSpec = load_spec(folder / SPEC_FILE)
-        self.layout = TablesLayout.load(folder)
-        weights_file, unsupported = tables_file(folder, handler_options(folder))
-        if weights_file is None:
-            raise ValueError(f"{self.archive}: cannot take deltas: {unsupported}")
-        self.buffers = table_buffers(torch.load(weights_file, mmap=True, weights_only=True))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._tmp is not None:
-            self._tmp.cleanup()
+    archive: Archive
+    spec: ModelSpec
+    layout: TablesLayout
+    buffers: list[torch.Tensor]
 
 
-def _from_checkpoint(base: _BaseArchive, checkpoint: Path) -> Iterator[tuple[TableLayout, np.ndarray, np.ndarray]]:
+@contextlib.contextmanager
+def _base(path: Path) -> Iterator[_Base]:
+    with Archive.open(path) as archive:
+        layout = archive.layout
+        if layout is None:
+            why = tables_file_name(archive.options)[1] or f"no {TABLES}; rebuild it with this version"
+            raise ValueError(f"{path}: cannot take deltas: {why}")
+        buffers = table_buffers(torch.load(archive.tables_file(), mmap=True, weights_only=True))
+        yield _Base(archive, load_spec(archive.file(SPEC)), layout, buffers)
+
+
+def _from_checkpoint(base: _Base, checkpoint: Path) -> Iterator[tuple[TableLayout, np.ndarray, np.ndarray]]:
     factory = DLRMFactory(base.spec)
     model = factory.float_model(seed=0)
     factory.load_checkpoint(model, read_checkpoint(checkpoint))
@@ -214,7 +203,7 @@ def _from_checkpoint(base: _BaseArchive, checkpoint: Path) -> Iterator[tuple[Tab
                 bar.update(end - start)
 
 
-def _from_rows(base: _BaseArchive, path: Path) -> Iterator[tuple[TableLayout, np.ndarray, np.ndarray]]:
+def _from_rows(base: _Base, path: Path) -> Iterator[tuple[TableLayout, np.ndarray, np.ndarray]]:
     given = torch.load(path, map_location="cpu", weights_only=True)
     for name, entry in given.items():
         table = base.layout.table(name)

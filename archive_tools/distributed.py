@@ -21,7 +21,6 @@ import shutil
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 import torch
@@ -37,20 +36,21 @@ from archive_tools.build import (
     served_weights,
     stage_files,
 )
-from archive_tools.archives import handler_options
 from archive_tools.capture import capture, check_capturable
 from archive_tools.delta import DeltaSource, DeltaSummary, make_delta
 from archive_tools.validation_data import read_validation
 from archive_tools.verification import Bounds, generated_validation, verify
-from handlers.loading import SPEC_FILE, dense_host_model, load_service
+from handlers.loading import dense_host_model, load_service
 from handlers.modeling.eager import EagerModel, eager_service
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import input_schema, load_spec, synthetic_request
 from handlers.modeling.spec import ModelSpec
 from handlers.modeling.weights import InferenceWeights
+from handlers.runtime.archive import Archive
+from handlers.runtime.archive_files import HANDLERS, INPUTS, MODEL_CONFIG, SPEC, TABLES, VERIFICATION, WEIGHTS
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.batching import coalesce
-from handlers.runtime.inputs import INPUTS_FILE, InputSchema, Limits, Output
+from handlers.runtime.inputs import InputSchema, Limits, Output
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.remote.lookups import InProcessShard
 from handlers.runtime.remote.plan import RemotePlan, ShardRoute
@@ -106,7 +106,7 @@ def build_distributed(
             whole = Path(tmp) / DENSE_SUFFIX / "extra"  # the single-host staging; the dense part comes from it
             stage_files(whole, spec, factory, weights)
             del weights
-            tables = factory.load_weights(whole / "weights.pt")  # mapped: page cache, no copy
+            tables = factory.load_weights(whole / WEIGHTS)  # mapped: page cache, no copy
             if reference is None:
                 reference = factory.inference_model(tables)
             reference_service = eager_service(spec, reference)
@@ -132,7 +132,7 @@ def build_distributed(
 
             stages.set_postfix_str(f"capture the dense part ({dense.value})")
             capture(whole, Artifact.SPLIT, SplitPlan(sparse=Artifact.EAGER, dense=dense))
-            for leftover in ("weights.pt", "tables_layout.json"):  # the tables live on the shards
+            for leftover in (WEIGHTS, TABLES):  # the tables live on the shards
                 (whole / leftover).unlink(missing_ok=True)
             stages.update()
 
@@ -141,15 +141,15 @@ def build_distributed(
                 InProcessShard(route, load_service(folder, HandlerOptions(Artifact.LOOKUPS)))
                 for route, folder in zip(routes, shard_dirs)
             ]
-            schema = InputSchema.from_file(whole / INPUTS_FILE)
+            schema = InputSchema.from_file(whole / INPUTS)
             served = ScoringService(schema, dense_host_model(whole, schema, plan, shards))
             report = verify(served, reference_service, data, bounds)
             for line in report.lines("built" if quantized_init else "float"):
                 tqdm.write(line, file=sys.stderr)
             model_store.mkdir(parents=True, exist_ok=True)
-            report_path = model_store / f"{names[-1]}.verification.json"
+            report_path = model_store / f"{names[-1]}.{VERIFICATION}"
             report_path.write_bytes(report.to_json())
-            (whole / "verification.json").write_bytes(report.to_json())
+            (whole / VERIFICATION).write_bytes(report.to_json())
             if not report.passed:
                 raise VerificationFailed(
                     f"refusing to write the layout of {name}: {'; '.join(report.failures)} (report: {report_path})"
@@ -163,7 +163,7 @@ def build_distributed(
             # for others (TorchServe waits maxBatchDelay for a batch to fill; 0 means its default).
             shard_serving = dataclasses.replace(serving, batch_size=1, max_batch_delay_ms=1)
             for route, folder in zip(routes, shard_dirs):
-                config = shard_serving.model_config(Artifact.LOOKUPS, (folder / "weights.pt").stat().st_size, None)
+                config = shard_serving.model_config(Artifact.LOOKUPS, (folder / WEIGHTS).stat().st_size, None)
                 archives.append(_package_with(folder, config, route.model, version, model_store, archive_format))
             dense_bytes = sum(f.stat().st_size for f in whole.glob("*.pt*"))
             # A dense host's batch may wait out a shard's fail-over: admission control, which
@@ -188,14 +188,15 @@ def split_delta(dense_archive: Path, rows: Path, sequence: int) -> list[DeltaSum
     shard's log keeps the layout's sequence numbers. A table no shard holds is refused."""
     store = Path(dense_archive).parent
     with tempfile.TemporaryDirectory(prefix="layout-delta-") as tmp:
-        options = handler_options(_files_of(Path(dense_archive), ["model-config.yaml"], Path(tmp) / "dense"))
+        with Archive.open(dense_archive) as archive:
+            options = archive.options
         if options.remote is None:
             raise ValueError(f"{dense_archive}: not a dense archive of a distributed layout ({options.describe()})")
         given = torch.load(rows, map_location="cpu", weights_only=True)
         shard_of = {}
         for route in options.remote.shards:
-            spec = load_spec(_files_of(_archive_in(store, route.model), [SPEC_FILE], Path(tmp) / route.name) / SPEC_FILE)
-            shard_of.update({t.name: route for t in spec.tables})
+            with Archive.open(_archive_in(store, route.model)) as shard:
+                shard_of.update({t.name: route for t in load_spec(shard.file(SPEC)).tables})
         unknown = sorted(set(given) - set(shard_of))
         if unknown:
             raise ValueError(f"{rows}: tables {unknown} are on no shard of the layout; it has {sorted(shard_of)}")
@@ -207,27 +208,6 @@ def split_delta(dense_archive: Path, rows: Path, sequence: int) -> list[DeltaSum
             out.parent.mkdir(parents=True, exist_ok=True)
             written.append(make_delta(_archive_in(store, route.model), DeltaSource(rows=part), out, sequence, route.model))
         return written
-
-
-def archive_options(archive: Path) -> HandlerOptions:
-    """What ``archive`` (a folder or a ``.mar``) tells its worker to load: its model-config.yaml."""
-    with tempfile.TemporaryDirectory(prefix="archive-config-") as tmp:
-        return handler_options(_files_of(Path(archive), ["model-config.yaml"], Path(tmp)))
-
-
-def is_dense_archive(archive: Path) -> bool:
-    """Whether ``archive`` is the dense archive of a distributed layout (its tables on shards)."""
-    return archive_options(archive).remote is not None
-
-
-def _files_of(archive: Path, names: list[str], into: Path) -> Path:
-    """The folder holding ``names`` of the archive: itself if unzipped, else those files alone
-    taken out of the ``.mar`` into ``into`` (not its GBs of tables)."""
-    if archive.is_dir():
-        return archive
-    with zipfile.ZipFile(archive) as z:
-        z.extractall(into, names)
-    return into
 
 
 def _archive_in(store: Path, model: str) -> Path:
@@ -260,13 +240,13 @@ def shard_schema(shard_spec: ModelSpec, model_limits: Limits) -> InputSchema:
 
 def stage_shard(folder: Path, shard_spec: ModelSpec, rows: dict, model_limits: Limits) -> None:
     """A shard archive's files: the handlers package, its spec and inputs, its tables' rows."""
-    shutil.copytree(HANDLERS_DIR, folder / "handlers", ignore=shutil.ignore_patterns("__pycache__"))
-    shard_spec.to_yaml(folder / SPEC_FILE)
-    shard_schema(shard_spec, model_limits).save(folder / INPUTS_FILE)
+    shutil.copytree(HANDLERS_DIR, folder / HANDLERS, ignore=shutil.ignore_patterns("__pycache__"))
+    shard_spec.to_yaml(folder / SPEC)
+    shard_schema(shard_spec, model_limits).save(folder / INPUTS)
     factory = DLRMFactory(shard_spec)
     weights = InferenceWeights({t.name: rows[t.name] for t in shard_spec.tables}, {}, None)
-    factory.save_weights(weights, folder / "weights.pt")
-    factory.tables_layout(folder / "weights.pt").save(folder)
+    factory.save_weights(weights, folder / WEIGHTS)
+    factory.tables_layout(folder / WEIGHTS).save(folder)
 
 
 def _stacked(spec: ModelSpec, factory: DLRMFactory, tables: InferenceWeights) -> bool:
@@ -282,6 +262,6 @@ def _stacked(spec: ModelSpec, factory: DLRMFactory, tables: InferenceWeights) ->
 def _package_with(
     staging: Path, config: dict, name: str, version: str, model_store: Path, archive_format: str
 ) -> Path:
-    config_path = staging.parent / "model-config.yaml"
+    config_path = staging.parent / MODEL_CONFIG
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     return package_archive(staging, config_path, name, version, model_store, archive_format)

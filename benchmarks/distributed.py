@@ -41,7 +41,6 @@ import torch  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from archive_tools.distributed import archive_options  # noqa: E402
 from archive_tools.launcher import HostGroup, LayoutFile, LocalLayout  # noqa: E402
 from archive_tools.local_server import LocalTorchServe  # noqa: E402
 from benchmarks.load import BackgroundLoad, run_closed_loop  # noqa: E402
@@ -51,6 +50,7 @@ from benchmarks.traffic import Traffic, TrafficModel  # noqa: E402
 from handlers.modeling.factory import DLRMFactory  # noqa: E402
 from handlers.modeling.registry import input_schema, load_spec  # noqa: E402
 from handlers.modeling.spec import ModelSpec  # noqa: E402
+from handlers.runtime.archive import Archive  # noqa: E402
 from handlers.runtime.batching import coalesce  # noqa: E402
 from handlers.runtime.remote.lookups import ShardCaller, ShardedLookups, distinct_ids  # noqa: E402
 from handlers.runtime.remote.plan import read_placement  # noqa: E402
@@ -188,7 +188,8 @@ def _shard_hop(layout: LocalLayout, spec: ModelSpec, traffic: Traffic, duration_
     """The dense host's sparse part run from this process (the dense archive's plan, the layout's
     shards), one request at a time, and shard ``b``'s handler time per call over the same calls."""
     store = layout.layout.model_store
-    options = archive_options(store / layout.layout.dense.in_store(store))
+    with Archive.open(store / layout.layout.dense.in_store(store)) as archive:
+        options = archive.options
     assert options.remote is not None
     plan = options.remote.placed(read_placement(layout.placement_file))
     callers = [ShardCaller(route, plan.deadline) for route in plan.shards]

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from archive_tools.archives import load_archive
 from benchmarks.traffic import Traffic
+from handlers.loading import load_archive
+from handlers.runtime.archive import Archive
 from handlers.runtime.service import ScoringService
 
 
@@ -55,13 +56,13 @@ class CeilingProcess:
     """
 
     def __init__(
-        self, archive: Path, unpack_to: Path, traffic: dict[str, Traffic], threads: int
+        self, archive: Path, traffic: dict[str, Traffic], threads: int
     ) -> None:
         self._pool = ProcessPoolExecutor(
             max_workers=1,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_load_in_child,
-            initargs=(archive, unpack_to, traffic, threads),
+            initargs=(archive, traffic, threads),
         )
 
     def items_per_s(self, workload: str, requests_per_batch: int) -> float:
@@ -80,9 +81,10 @@ class CeilingProcess:
 _child: dict = {}  # the child's loaded service and traffic
 
 
-def _load_in_child(archive: Path, unpack_to: Path, traffic: dict[str, Traffic], threads: int) -> None:
+def _load_in_child(archive: Path, traffic: dict[str, Traffic], threads: int) -> None:
     torch.set_num_threads(threads)  # as the worker runs
-    _child["service"] = load_archive(archive, unpack_to)
+    _child["archive"] = Archive.open(archive)  # a .mar's files, unpacked for the child's life
+    _child["service"] = load_archive(_child["archive"])
     _child["traffic"] = traffic
 
 

@@ -42,7 +42,7 @@ def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None
 
     build = _build_archive(scenario, out_dir / "model_store")
     archive = Path(build["archive"])
-    ceiling = CeilingProcess(archive, out_dir / "unpacked", traffic, ServingConfig.intra_op_threads)
+    ceiling = CeilingProcess(archive, traffic, ServingConfig.intra_op_threads)
     tables = table_memory_mib(spec)
 
     results: dict = {

@@ -122,7 +122,7 @@ def run_speed(scenario: SpeedScenario, out_dir: Path) -> dict:
         server.management("DELETE", f"/models/{spec.name}").raise_for_status()
     progress.set_postfix_str("in-process ceiling")
     requests_per_batch = max(1, round(formed.mean_requests_per_batch))
-    with CeilingProcess(archive, out_dir / "unpacked", {"tensor": tensors}, 2) as ceiling:
+    with CeilingProcess(archive, {"tensor": tensors}, 2) as ceiling:
         figures["ceiling_100cand_items_per_s"] = ceiling.items_per_s("tensor", requests_per_batch)
     progress.update()
     progress.close()

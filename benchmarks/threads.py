@@ -28,6 +28,7 @@ from benchmarks.load import run_closed_loop
 from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS, REPO
 from benchmarks.traffic import TrafficModel
 from handlers.modeling.registry import load_spec
+from handlers.runtime.archive_files import MODEL_CONFIG
 
 REQUEST_SIZES = (1, 4, 16, 64, 100)
 GAIN = 1.10
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
              "aoti", "--archive-format", "no-archive", "--model-store", str(store)],
             check=True, capture_output=True,
         )
-        config_path = store / spec.name / "model-config.yaml"
+        config_path = store / spec.name / MODEL_CONFIG
         config = yaml.safe_load(config_path.read_text())
         with LocalTorchServe(model_store=store) as server:
             url = f"{server.inference_url}/predictions/{spec.name}"

@@ -18,7 +18,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from archive_tools.archives import archive_folder
+from handlers.runtime.archive import Archive
+from handlers.runtime.archive_files import MODEL_CONFIG
 
 _PROBE = textwrap.dedent("""
     import json, os, sys, time
@@ -32,7 +33,7 @@ _PROBE = textwrap.dedent("""
 
     class Context:  # what TorchServe hands initialize()
         system_properties = {"model_dir": folder, "gpu_id": None}
-        model_yaml_config = yaml.safe_load(open(os.path.join(folder, "model-config.yaml")))
+        model_yaml_config = yaml.safe_load(open(os.path.join(folder, sys.argv[2])))
         model_name = "footprint"
 
     torchserve_handler.DLRMHandler().initialize(Context())
@@ -51,12 +52,12 @@ _PROBE = textwrap.dedent("""
 
 
 def measure(archive: Path, runs: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix="footprint-") as tmp:
-        folder = archive_folder(archive, Path(tmp))
+    with tempfile.TemporaryDirectory(prefix="footprint-") as tmp, Archive.open(archive) as opened:
+        folder = opened.unpacked()
         results = []
         for _ in range(runs):
             done = subprocess.run(
-                [sys.executable, "-c", _PROBE, str(folder)],
+                [sys.executable, "-c", _PROBE, str(folder), MODEL_CONFIG],
                 capture_output=True, text=True, check=True, cwd=tmp,
             )
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -15,7 +15,9 @@ from typing import Sequence
 
 from handlers.runtime.artifacts import Artifact, GraphModel, Runner
 from handlers.runtime.device import worker_device
-from handlers.runtime.inputs import INPUTS_FILE, InputSchema
+from handlers.runtime.archive import Archive
+from handlers.runtime.archive_files import INPUTS, SPEC, WEIGHTS
+from handlers.runtime.inputs import InputSchema
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.remote.lookups import Shard, ShardCaller, ShardedLookups
 from handlers.runtime.remote.plan import RemotePlan, read_placement
@@ -24,7 +26,6 @@ from handlers.runtime.split import SplitModel, dense_tags, sparse_tags
 
 logger = logging.getLogger(__name__)
 
-SPEC_FILE = "spec.yaml"
 SHARD_CONNECT_S = 10.0  # how long a dense host's worker start waits for each shard's replicas
 
 
@@ -40,9 +41,15 @@ def load_service(
     was registered under (default: the spec's); ``tables_file``: a copy of the archive's weights
     file that holds the tables, mapped instead of it (the working copy that deltas change)."""
     model_dir = Path(model_dir)
-    schema = InputSchema.from_file(model_dir / INPUTS_FILE)
+    schema = InputSchema.from_file(model_dir / INPUTS)
     runner = load_runner(model_dir, schema, options, gpu_id, tables_file)
     return ScoringService(schema, runner, model_name, threads_for=options.threads_for)
+
+
+def load_archive(archive: Archive) -> ScoringService:
+    """A built archive's model behind a scoring service, loaded in this process exactly as a
+    TorchServe worker loads it (a ``.mar`` is unpacked into the archive's folder first)."""
+    return load_service(archive.unpacked(), archive.options)
 
 
 def load_runner(
@@ -94,14 +101,14 @@ def _eager_model(model_dir: Path, gpu_id: int | None, weights: Path | None) -> R
     from handlers.modeling import eager  # TorchRec, only for artifacts that run its modules
     from handlers.modeling.registry import load_spec
 
-    spec = load_spec(model_dir / SPEC_FILE)
+    spec = load_spec(model_dir / SPEC)
     device = worker_device(spec.sharding.device, gpu_id)
-    return eager.load_eager_model(spec, weights or model_dir / Artifact.EAGER.file_name(), device)
+    return eager.load_eager_model(spec, weights or model_dir / WEIGHTS, device)
 
 
 def _eager_lookups(model_dir: Path, weights: Path | None) -> Runner:
     from handlers.modeling import eager  # TorchRec, only for artifacts that run its modules
     from handlers.modeling.registry import load_spec
 
-    spec = load_spec(model_dir / SPEC_FILE)
-    return eager.load_eager_lookups(spec, weights or model_dir / Artifact.EAGER.file_name())
+    spec = load_spec(model_dir / SPEC)
+    return eager.load_eager_lookups(spec, weights or model_dir / WEIGHTS)

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import torch
 
-from archive_tools.archives import load_archive as archive_service  # noqa: F401  (archive, unpack_to)
+from handlers.loading import load_archive
+from handlers.runtime.archive import Archive
 from handlers.modeling.eager import EagerModel
 from handlers.modeling.registry import input_schema, synthetic_request
 from handlers.modeling.spec import ModelSpec, ShardingSpec, ShardingType
 from handlers.runtime.batching import Batch, coalesce
 from handlers.runtime.freshness.applier import file_offset
+from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.decoder import RequestDecoder
 
 items_request = synthetic_request  # (spec, num_items, seed, max_bag=3, return_logits=False)
@@ -48,3 +50,8 @@ def is_file_mapped(tensor: torch.Tensor, path) -> bool:
     except ValueError:
         return False
     return True
+
+
+def archive_service(archive: Path) -> ScoringService:
+    """A built archive (``.mar`` or folder) loaded in this process as a worker loads it."""
+    return load_archive(Archive.open(archive))

@@ -26,7 +26,9 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch.export.passes import move_to_device_pass
 
+from handlers.runtime import archive_files
 from handlers.runtime import fbgemm_ops  # noqa: F401  the TBE operators the graphs call
+from handlers.runtime.archive_files import aoti_weights_file
 from handlers.runtime.batching import Batch, plain_arguments
 from handlers.runtime.freshness.delta_file import DenseShapes, dense_shapes
 from handlers.runtime.freshness.dense import is_table_constant
@@ -48,21 +50,16 @@ class Artifact(str, enum.Enum):
     def file_name(self, part: str = "model") -> str:
         """The file that holds ``part`` (``model``, ``sparse`` or ``dense``) as this artifact."""
         if self in (Artifact.EAGER, Artifact.LOOKUPS):
-            return "weights.pt"
+            return archive_files.WEIGHTS
         if self in (Artifact.SPLIT, Artifact.REMOTE):
             raise ValueError(f"a {self.value} archive holds one file per part")
-        return f"{part}_aoti.pt2" if self == Artifact.AOTI else f"{part}.pt2"
+        return archive_files.aoti_file(part) if self == Artifact.AOTI else archive_files.exported_file(part)
 
     def files(self, part: str = "model") -> list[str]:
         """Every file that holds ``part`` as this artifact (a compiled package has its weights
         beside it)."""
         main = self.file_name(part)
         return [main, aoti_weights_file(Path(main)).name] if self == Artifact.AOTI else [main]
-
-
-def aoti_weights_file(package: Path) -> Path:
-    """``model_aoti.pt2`` -> ``model_aoti_weights.pt``."""
-    return package.with_name(f"{package.stem}_weights.pt")
 
 
 class CompiledPackage:

@@ -29,9 +29,6 @@ from typing import Any, Union
 import orjson
 import torch
 
-INPUTS_FILE = "inputs.json"
-
-
 class BatchKind(str, enum.Enum):
     ROWS = "rows"
     JAGGED = "jagged"

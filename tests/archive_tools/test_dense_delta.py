@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from archive_tools.archives import load_archive
+from tests.helpers import archive_service
 from archive_tools.build import ServingConfig, build_archive
 from archive_tools.delta import DeltaSource, make_delta
 from handlers.modeling.factory import DLRMFactory
@@ -65,13 +65,13 @@ def test_a_dense_delta_swapped_in_scores_as_a_fresh_build(setup, kind):
     base, fresh = _build(setup, kind, "base.pt"), _build(setup, kind, "newer.pt")
     summary = make_delta(base, DeltaSource(dense=root / "dense_only.pt"), root / f"{kind}.delta", sequence=1)
     assert summary.rows_by_table == {} and summary.dense_tensors > 0
-    served = load_archive(base, root / "unused")
+    served = archive_service(base)
     before = _scores(served, requests)
     slot = dense_slot(served.model)
     delta = read_delta(summary.path, TablesLayout.load(base))
     check_dense(delta.header.dense, slot.dense_shapes())
     slot.swap_dense(delta.dense())
-    assert _scores(served, requests) == _scores(load_archive(fresh, root / "unused"), requests)
+    assert _scores(served, requests) == _scores(archive_service(fresh), requests)
     assert _scores(served, requests) != before
     slot.swap_dense(None)
     assert _scores(served, requests) == before
@@ -82,7 +82,7 @@ def test_a_dense_section_must_fit_the_served_weights(setup):
     base = _build(setup, "aoti", "base.pt")
     eager = _build(setup, "eager", "base.pt")
     eager_delta = make_delta(eager, DeltaSource(dense=root / "dense_only.pt"), root / "eager-for-aoti.delta", sequence=1)
-    slot = dense_slot(load_archive(base, root / "unused").model)
+    slot = dense_slot(archive_service(base).model)
     with pytest.raises(DeltaError) as refused:  # float eager names and dtypes, not the package's constants
         check_dense(read_delta(eager_delta.path, TablesLayout.load(base)).header.dense, slot.dense_shapes())
     assert refused.value.field.startswith("dense.")
@@ -93,6 +93,6 @@ def test_an_exported_program_cannot_swap_and_says_so(setup):
     exported = build_archive(spec_file, checkpoint=root / "base.pt", seed=0, name="exported", version="1",
                              model_store=root / "store", serving=ServingConfig(), artifact=Artifact.EXPORTED,
                              archive_format="no-archive")
-    assert "build aoti" in dense_slot(load_archive(exported, root / "unused").model)
+    assert "build aoti" in dense_slot(archive_service(exported).model)
     with pytest.raises(ValueError, match="cannot take deltas"):
         make_delta(exported, DeltaSource(dense=root / "dense_only.pt"), root / "exported.delta", sequence=1)

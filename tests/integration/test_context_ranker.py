@@ -39,7 +39,7 @@ def archive(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(archive, tmp_path_factory) -> ScoringService:
-    return archive_service(archive, tmp_path_factory.mktemp("ranker"))
+    return archive_service(archive)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,8 @@ from archive_tools.launcher import HostGroup, LayoutFile, LocalLayout
 from handlers.modeling.eager import eager_service
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
+from handlers.runtime.archive import Archive
+from handlers.runtime.archive_files import TABLES, WEIGHTS
 from tests.conftest import RANKER_SPEC, TINY_SPEC
 from tests.helpers import items_request
 
@@ -215,6 +217,19 @@ def test_a_delta_of_the_dense_archive_takes_a_rows_file_alone(tiny, tmp_path, ca
     torch.save({"t_nowhere": {"ids": torch.tensor([0]), "rows": torch.zeros(1, 8)}}, tmp_path / "rows.pt")
     with pytest.raises(ValueError, match=r"tables \['t_nowhere'\] are on no shard"):
         split_delta(dense, tmp_path / "rows.pt", sequence=1)
+
+
+def test_the_dense_archive_holds_no_table_layout_and_refuses_row_deltas_naming_why(tiny):
+    """Its tables live on the shards: no tables.json rides along (the plugin would name a delta log
+    for tables it does not hold), and a publish to it is a 409 that says where the tables are."""
+    _, _, layout = tiny
+    with Archive.open(layout.layout.model_store / "tiny-dense.mar") as dense:
+        assert not dense.has(TABLES) and not dense.has(WEIGHTS) and dense.layout is None
+    with Archive.open(layout.layout.model_store / "tiny-a.mar") as shard:
+        assert {t.name for t in shard.layout.tables} == {"t_user", "t_category"}
+    response = layout.dense[0].management("POST", "/freshness/tiny-dense", params={"delta": "any.delta"})
+    assert response.status_code == 409, response.text
+    assert "holds no tables: its embedding shards do" in response.json()["message"]
 
 
 def test_a_rows_delta_reaches_the_shard_that_owns_each_table_on_every_host(tiny, tmp_path):

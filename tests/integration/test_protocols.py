@@ -51,7 +51,7 @@ def server(store):
 
 @pytest.fixture(scope="module")
 def tiny_reference(store, tmp_path_factory):
-    return archive_service(store / "tiny.mar", tmp_path_factory.mktemp("tiny"))
+    return archive_service(store / "tiny.mar")
 
 
 def _scores(service, body: dict) -> list[float]:
@@ -71,7 +71,7 @@ def test_torchserve_dlrm_example_request_shape(server, store, tmp_path):
     response = server.predict("criteo_small", body)
     assert response.status_code == 200, response.text
     answer = response.json()
-    reference = archive_service(store / "criteo_small.mar", tmp_path)
+    reference = archive_service(store / "criteo_small.mar")
     assert answer["scores"] == pytest.approx(_scores(reference, body), abs=1e-6)
     assert answer["scores"] == pytest.approx(1 / (1 + np.exp(-np.array(answer["default"]))), abs=1e-6)
 

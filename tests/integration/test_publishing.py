@@ -78,9 +78,9 @@ def setup(tmp_path_factory):
                sequence=1, name="tiny_dense")
     fresh_dense = _build(newest, root / "fresh_dense", "tiny", Artifact.EAGER)
     expected = {
-        "old": _scores(archive_service(store / "tiny_eager.mar", root / "old")),
-        "new": _scores(archive_service(fresh, root / "new")),
-        "dense": _scores(archive_service(fresh_dense, root / "dense")),
+        "old": _scores(archive_service(store / "tiny_eager.mar")),
+        "new": _scores(archive_service(fresh)),
+        "dense": _scores(archive_service(fresh_dense)),
     }
     assert expected["old"] != pytest.approx(expected["new"], abs=1e-4)
     assert expected["new"] != pytest.approx(expected["dense"], abs=1e-4)

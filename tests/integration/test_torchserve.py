@@ -69,7 +69,7 @@ def model_store(tmp_path_factory) -> Path:
 
 
 def _in_process(archive: Path, tmp: Path) -> ScoringService:
-    return archive_service(archive, tmp)
+    return archive_service(archive)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_unzipped_archive_of_random_quantized_tables_is_served(server, model_sto
     assert (folder / "MAR-INF" / "MANIFEST.json").exists() and (folder / "weights.pt").exists()
     response = server.register("tiny_folder", initial_workers=1)
     assert response.status_code == 200, response.text
-    reference = archive_service(folder, folder)
+    reference = archive_service(folder)
     request = items_request(tiny_spec, 9, seed=11, max_bag=4)
     served = server.predict("tiny_folder", request)
     assert served.status_code == 200, served.text

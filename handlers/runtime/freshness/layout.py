@@ -23,7 +23,8 @@ from typing import Iterable, Mapping
 import orjson
 import torch
 
-LAYOUT_FILE = "tables.json"
+from handlers.runtime.archive_files import TABLES
+
 
 # The TBE buffers' keys in a served weights file: ``tbe.0`` in weights.pt, and
 # ``<module path>.tbes.0.weights_host`` among a compiled package's constants.
@@ -54,7 +55,7 @@ class TablesLayout:
         return next((t for t in self.tables if t.name == name), None)
 
     def save(self, folder: Path) -> None:
-        (Path(folder) / LAYOUT_FILE).write_bytes(
+        (Path(folder) / TABLES).write_bytes(
             orjson.dumps(
                 {"fingerprint": self.fingerprint, "sharded": self.sharded,
                  "tables": [dataclasses.asdict(t) for t in self.tables]},
@@ -64,7 +65,7 @@ class TablesLayout:
 
     @classmethod
     def load(cls, folder: Path) -> "TablesLayout":
-        raw = orjson.loads((Path(folder) / LAYOUT_FILE).read_bytes())
+        raw = orjson.loads((Path(folder) / TABLES).read_bytes())
         return cls(raw["fingerprint"], tuple(TableLayout(**t) for t in raw["tables"]), bool(raw.get("sharded")))
 
 

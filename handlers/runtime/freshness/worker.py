@@ -38,7 +38,8 @@ from typing import Any, Callable
 import orjson
 import torch
 
-from handlers.runtime.artifacts import Artifact, aoti_weights_file
+from handlers.runtime.archive import Archive, tables_file_name
+from handlers.runtime.archive_files import LOG_POINTER, TABLES
 from handlers.runtime.batching import Batch
 from handlers.runtime.errors import ServingError
 from handlers.runtime.freshness.applier import AppliedState, Pace, RowLock, TableWriter, apply_delta, write_rows
@@ -46,13 +47,12 @@ from handlers.runtime.freshness.background import in_background, lower_this_thre
 from handlers.runtime.freshness.config import FreshnessConfig
 from handlers.runtime.freshness.delta_file import DeltaError, check_dense, read_delta, read_header
 from handlers.runtime.freshness.dense import DenseSlot, dense_slot
-from handlers.runtime.freshness.layout import LAYOUT_FILE, TablesLayout, table_buffers
+from handlers.runtime.freshness.layout import TablesLayout, table_buffers
 from handlers.runtime.freshness.shared_tables import SharedTables, pin_in_memory, sweep
 from handlers.runtime.options import HandlerOptions
 
 logger = logging.getLogger(__name__)
 
-LOG_POINTER = "freshness-log.json"
 WORKERS_FOLDER = "freshness-workers"
 ROLLBACK_MARK = "rollback.json"  # in the log folder: a rollback asked for and not done yet
 FOLLOW_EVERY_S = 0.2
@@ -65,22 +65,6 @@ CATCH_UP_ROWS_PER_S = 500_000.0
 def log_entries(log: Path) -> dict[int, Path]:
     """The log's deltas by sequence."""
     return {int(p.stem): p for p in Path(log).glob("*.delta") if p.stem.isdigit()}
-
-
-def tables_file(model_dir: Path, options: HandlerOptions) -> tuple[Path | None, str | None]:
-    """(the archive's weights file that holds the tables, None) or (None, why deltas cannot reach
-    them)."""
-    artifact, part = options.artifact, "model"
-    if artifact == Artifact.SPLIT:
-        artifact, part = options.split.sparse, "sparse"  # type: ignore[union-attr]
-    if artifact == Artifact.EXPORTED:
-        return None, (
-            "an exported program reads its tables into each worker's memory at load; build the "
-            "archive as aoti or eager (or a split with aoti or eager lookups) to publish deltas"
-        )
-    if artifact in (Artifact.EAGER, Artifact.LOOKUPS):
-        return model_dir / "weights.pt", None
-    return aoti_weights_file(model_dir / artifact.file_name(part)), None
 
 
 class WorkerFreshness:
@@ -109,21 +93,19 @@ class WorkerFreshness:
     ) -> "WorkerFreshness | str":
         """Before the model loads: the worker's freshness, holding the working copy of the tables
         (made now by the model's first worker), or why this archive cannot take deltas."""
-        if options.artifact == Artifact.REMOTE:
-            return "a dense host of a distributed layout holds no tables: its embedding shards do"
-        if not (model_dir / LAYOUT_FILE).exists():
-            return f"the archive has no {LAYOUT_FILE}: rebuild it with this version to publish deltas"
-        layout = TablesLayout.load(model_dir)
-        if layout.sharded:
-            return "sharded tables are copied into each worker at load; deltas need unsharded cpu tables"
-        archive_file, unsupported = tables_file(model_dir, options)
+        archive_file, unsupported = tables_file_name(options)
         if archive_file is None:
             return f"a {options.describe()} archive cannot take deltas: {unsupported}"
+        layout = Archive(model_dir).layout
+        if layout is None:
+            return f"the archive has no {TABLES}: rebuild it with this version to publish deltas"
+        if layout.sharded:
+            return "sharded tables are copied into each worker at load; deltas need unsharded cpu tables"
         if not (model_dir / LOG_POINTER).exists():
             return "no delta log is named for this model: register it through the plugin to publish deltas"
         try:
             tables = in_background(  # gigabytes copied: at a priority that leaves serving its cores
-                lambda: SharedTables.open(model_dir, archive_file, layout.fingerprint, config.tables_roots),
+                lambda: SharedTables.open(model_dir, model_dir / archive_file, layout.fingerprint, config.tables_roots),
                 "freshness-copy")
         except OSError as e:  # the model still serves, from the archive's own file
             return f"no working copy of the tables could be made ({e}); free memory or set freshness.tables_dir"

@@ -95,7 +95,7 @@ def test_compiled_archive_served_by_torchserve_scores_as_in_process(spec, tmp_pa
         model_store=tmp_path / "model_store", serving=ServingConfig(batch_size=16, max_batch_delay_ms=100),
         artifact=Artifact.AOTI,
     )
-    reference = archive_service(archive, tmp_path / "unpacked")
+    reference = archive_service(archive)
     requests = [items_request(spec, n, seed=100 + i, max_bag=4) for i, n in enumerate([1, 12, 3, 30] * 4)]
     with LocalTorchServe(model_store=archive.parent) as server:
         assert server.register(archive.name, initial_workers=1).status_code == 200

@@ -15,7 +15,7 @@ from handlers.modeling.eager import EagerModel, eager_service
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import architecture_of, input_schema
 from handlers.runtime.artifacts import Artifact
-from handlers.runtime.inputs import INPUTS_FILE
+from handlers.runtime.archive_files import INPUTS
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.service import ScoringService
 from handlers.runtime.split import SplitModel, SplitPlan, dense_tags, sparse_tags
@@ -35,7 +35,7 @@ def _stage(folder: Path, spec, weights) -> Path:
     """An archive's staging folder before capture: spec and weights, as the build writes them."""
     folder.mkdir(parents=True, exist_ok=True)
     spec.to_yaml(folder / "spec.yaml")
-    input_schema(spec).save(folder / INPUTS_FILE)
+    input_schema(spec).save(folder / INPUTS)
     DLRMFactory(spec).save_weights(weights, folder / "weights.pt")
     return folder
 
@@ -68,7 +68,7 @@ def test_captured_parts_score_like_eager(model, plan, tmp_path):
     staging = _stage(tmp_path, spec, weights)
     capture(staging, Artifact.SPLIT, plan)
     kept = {p.name for p in staging.iterdir()}
-    assert kept == {"spec.yaml", INPUTS_FILE, *plan.files}
+    assert kept == {"spec.yaml", INPUTS, *plan.files}
     served = load_service(staging, HandlerOptions(Artifact.SPLIT, plan))
     for sizes in SIZES:
         requests = _requests(spec, eager, sizes, seed=11)
@@ -82,7 +82,7 @@ def test_dense_part_compiled_alone_scores_like_eager(tiny_spec, tiny_weights, tm
     plan = SplitPlan(sparse=Artifact.EXPORTED, dense=Artifact.AOTI)
     staging = _stage(tmp_path, tiny_spec, tiny_weights)
     capture(staging, Artifact.SPLIT, plan)
-    assert {p.name for p in staging.iterdir()} == {"spec.yaml", INPUTS_FILE, *plan.files}
+    assert {p.name for p in staging.iterdir()} == {"spec.yaml", INPUTS, *plan.files}
     assert plan.files == ["sparse.pt2", "dense_aoti.pt2", "dense_aoti_weights.pt"]
     served = load_service(staging, HandlerOptions(Artifact.SPLIT, plan))
     for sizes in ((1,), (64, 3)):

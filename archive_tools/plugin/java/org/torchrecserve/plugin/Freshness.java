@@ -11,6 +11,7 @@ import java.nio.file.Path;
 import java.nio.file.StandardCopyOption;
 import java.nio.file.StandardOpenOption;
 import java.util.Map;
+import org.pytorch.serve.archive.utils.ArchiveUtils;
 import org.pytorch.serve.util.ConfigManager;
 
 /**
@@ -23,9 +24,6 @@ import org.pytorch.serve.util.ConfigManager;
  * registers the model, before any worker loads, so that every worker replays it at load.
  */
 final class Freshness {
-    static final String POINTER = "freshness-log.json";
-    static final String LAYOUT = "tables.json";
-
     private Freshness() {}
 
     static File deltasDir() {
@@ -34,7 +32,7 @@ final class Freshness {
 
     /** The archive's log folder, or null when the archive has no table layout (built before). */
     static File logDir(String modelName, File modelDir) {
-        File layout = new File(modelDir, LAYOUT);
+        File layout = new File(modelDir, ArchiveFiles.TABLES);
         if (!layout.isFile()) {
             return null;
         }
@@ -47,6 +45,24 @@ final class Freshness {
         }
     }
 
+    /**
+     * Why a model has no delta log (its {@code logDir} is null), for a 409: a distributed layout's
+     * dense archive holds no tables (its shards do); any other archive was built before tables.json.
+     */
+    static String whyNoLog(File modelDir) {
+        try {
+            Map<String, Object> config = ArchiveUtils.readYamlFile(new File(modelDir, ArchiveFiles.MODEL_CONFIG));
+            Object handler = config == null ? null : config.get("handler");
+            if (handler instanceof Map<?, ?> section && "remote".equals(section.get("artifact"))) {
+                return "serves the dense part of a distributed layout and holds no tables: its embedding shards do;"
+                        + " publish row deltas to the shards (torchrec-serve delta on this archive writes one per shard)";
+            }
+        } catch (Exception e) { // unreadable (TorchServe's reader throws its own checked kinds)
+            // the general answer below
+        }
+        return "has no " + ArchiveFiles.TABLES + ": rebuild its archive with this version to publish deltas";
+    }
+
     /** Names the log in the model's folder (before its workers load). */
     static void writePointer(String modelName, File modelDir) throws IOException {
         File log = logDir(modelName, modelDir);
@@ -54,7 +70,7 @@ final class Freshness {
             return;
         }
         String json = Replies.COMPACT.toJson(Map.of("log", log.getPath()));
-        Files.writeString(new File(modelDir, POINTER).toPath(), json, StandardCharsets.UTF_8);
+        Files.writeString(new File(modelDir, ArchiveFiles.LOG_POINTER).toPath(), json, StandardCharsets.UTF_8);
     }
 
     /** Copies {@code delta} into the log as {@code sequence}, on disk before it returns. */

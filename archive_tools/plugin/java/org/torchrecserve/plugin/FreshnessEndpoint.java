@@ -88,8 +88,8 @@ public final class FreshnessEndpoint extends ModelServerEndpoint {
             Model model = ModelsEndpoint.model(path[2], path.length == 4 ? path[3] : null);
             File log = Freshness.logDir(model.getModelName(), model.getModelDir());
             if (log == null) {
-                throw new ConflictStatusException(Guard.label(model)
-                        + " has no tables.json: rebuild its archive with this version to publish deltas");
+                throw new ConflictStatusException(
+                        Guard.label(model) + " " + Freshness.whyNoLog(model.getModelDir()));
             }
             String rollbackTo = ModelsEndpoint.param(query, "rollback_to", null);
             if (publish && rollbackTo != null) {

@@ -307,7 +307,7 @@ public final class ModelsEndpoint extends ModelServerEndpoint {
     }
 
     private static JsonObject manifest(File entry) {
-        String path = "MAR-INF/MANIFEST.json";
+        String path = ArchiveFiles.MANIFEST;
         try {
             String text;
             if (entry.isDirectory()) {
