@@ -46,8 +46,18 @@ from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import input_schema, load_spec
 from handlers.modeling.spec import ModelSpec
 from handlers.modeling.weights import InferenceWeights
-from handlers.runtime.archive_files import HANDLER, HANDLERS, INPUTS, MANIFEST, MODEL_CONFIG, SPEC, VERIFICATION, WEIGHTS
+from handlers.runtime.archive_files import (
+    HANDLER,
+    HANDLERS,
+    INPUTS,
+    MANIFEST,
+    MODEL_CONFIG,
+    SPEC,
+    VERIFICATION,
+    WEIGHTS,
+)
 from handlers.runtime.artifacts import Artifact
+from handlers.runtime.errors import InputError
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.remote.plan import RemotePlan
 from handlers.runtime.split import SplitPlan
@@ -124,11 +134,11 @@ def build_archive(
     ``no-archive``); raises if verification fails. ``split``: the parts of a ``split`` artifact;
     ``compare_precisions``: also time and check every dense precision, and suggest one."""
     if quantized_init and checkpoint is not None:
-        raise ValueError("quantized_init creates random tables; it cannot start from a checkpoint")
+        raise InputError("quantized_init creates random tables; it cannot start from a checkpoint")
     if artifact == Artifact.SPLIT:
         split = split or SplitPlan()
     elif split is not None:
-        raise ValueError(f"a split plan was given for a {artifact.value} artifact")
+        raise InputError(f"a split plan was given for a {artifact.value} artifact")
     started = time.perf_counter()
     with tqdm(total=6, desc="archive", unit="stage", file=sys.stderr) as stages:
         stages.set_postfix_str("spec")

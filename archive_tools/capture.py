@@ -22,6 +22,7 @@ from handlers.modeling.weights import InferenceWeights
 from handlers.runtime.archive_files import SPEC, WEIGHTS
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.batching import coalesce
+from handlers.runtime.errors import InputError
 from handlers.runtime.split import EMBEDDINGS_INPUT, SplitPlan, dense_tags, sparse_tags
 from handlers.runtime.wire.decoder import RequestDecoder
 
@@ -30,7 +31,7 @@ def check_capturable(spec: ModelSpec) -> None:
     """Refuses, before any work, what torch.export cannot capture on this stack."""
     row_wise = [t.name for t in spec.tables if t.sharding == ShardingType.ROW_WISE]
     if spec.is_sharded and row_wise:
-        raise ValueError(
+        raise InputError(
             f"tables {row_wise}: row-wise sharded tables cannot be captured as a graph with "
             "fbgemm-gpu 1.8 (its fake kernel for sum_reduce_to_one returns a meta tensor); shard "
             "them table_wise, or build --artifact eager"

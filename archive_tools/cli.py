@@ -11,7 +11,9 @@
     torchrec-serve spec-docs                                  # regenerate the spec's schema and docs
 
 A failure prints one line on stderr naming the problem (``--debug`` shows the traceback) and exits
-with a code per kind of failure, so scripts can tell them apart: see ``EXIT_CODES``.
+with a code per kind of failure, so scripts can tell them apart: see ``EXIT_CODES``. Anything
+else that escapes a command is the project's own fault: one line says it is an internal error,
+and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -46,15 +48,16 @@ from handlers.modeling.registry import load_spec
 from handlers.runtime.archive import Archive
 from handlers.runtime.archive_files import SPEC
 from handlers.runtime.artifacts import Artifact
+from handlers.runtime.errors import InputError
 from handlers.runtime.split import DENSE_ARTIFACTS, DEVICES, SPARSE_ARTIFACTS, SplitPlan
 
 # What --artifact builds as one archive; ``distributed`` builds a layout's (archive_tools.distributed).
 BUILT_ALONE = (Artifact.EAGER, Artifact.EXPORTED, Artifact.AOTI, Artifact.SPLIT)
 DISTRIBUTED = "distributed"
 
-# Exit codes, one per kind of failure (2 is also argparse's, for a bad command line).
+# Exit codes, one per kind of failure the user can act on (2 is also argparse's, for a bad
+# command line); the first class that matches wins. Anything else is an internal error: 1.
 EXIT_CODES = {
-    VerificationFailed: 1,
     SpecError: 3,
     CheckpointError: 4,
     ValidationDataError: 5,
@@ -62,8 +65,10 @@ EXIT_CODES = {
     PortTaken: 6,
     FileNotFoundError: 7,
     FileExistsError: 7,
-    ValueError: 2,
+    VerificationFailed: 8,
+    InputError: 2,
 }
+INTERNAL_ERROR = 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,12 +78,20 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except KeyboardInterrupt:
         return 130
-    except tuple(EXIT_CODES) as error:
+    except Exception as error:
         if args.debug:
             raise
-        kind = next(code for cls, code in EXIT_CODES.items() if isinstance(error, cls))
-        print(f"torchrec-serve {args.command}: error: {error}", file=sys.stderr)
-        return kind
+        code = next((code for cls, code in EXIT_CODES.items() if isinstance(error, cls)), INTERNAL_ERROR)
+        if code == INTERNAL_ERROR:
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            print(
+                f"torchrec-serve {args.command}: internal error: {type(error).__name__}: {first_line} "
+                "(a bug in torchrec-serve; --debug shows the traceback)",
+                file=sys.stderr,
+            )
+        else:
+            print(f"torchrec-serve {args.command}: error: {error}", file=sys.stderr)
+        return code
 
 
 # -- the commands --------------------------------------------------------------------------------
@@ -86,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _build(args: argparse.Namespace) -> int:
     if args.init == "quantized" and args.checkpoint is not None:
-        raise ValueError("--init quantized makes random tables; it does not read --checkpoint")
+        raise InputError("--init quantized makes random tables; it does not read --checkpoint")
     serving = ServingConfig(
         batch_size=args.batch_size,
         max_batch_delay_ms=args.max_batch_delay,
@@ -112,7 +125,7 @@ def _build(args: argparse.Namespace) -> int:
     }
     if args.artifact == DISTRIBUTED:
         if args.sparse is not None or args.dense_device is not None:
-            raise ValueError(
+            raise InputError(
                 "--sparse/--dense-device: a distributed layout's shards serve eager lookups, its "
                 "dense part runs on cpu"
             )
@@ -122,7 +135,7 @@ def _build(args: argparse.Namespace) -> int:
     split_options = {"sparse": args.sparse, "dense": args.dense, "dense_device": args.dense_device}
     given = {k: v for k, v in split_options.items() if v is not None}
     if given and artifact != Artifact.SPLIT:
-        raise ValueError(f"--{'/--'.join(given).replace('_', '-')}: only with --artifact split")
+        raise InputError(f"--{'/--'.join(given).replace('_', '-')}: only with --artifact split")
     build_archive(
         spec_path(args.spec),
         artifact=artifact,
@@ -138,7 +151,7 @@ def _delta(args: argparse.Namespace) -> int:
         is_dense = archive.options.remote is not None
     if is_dense:
         if args.rows is None or args.checkpoint or args.dense or args.out or args.name:
-            raise ValueError(
+            raise InputError(
                 f"{args.archive} is a distributed layout's dense archive: its tables are on its shards; "
                 "give --rows (and --sequence) alone, and the delta is split into one per shard"
             )
@@ -158,7 +171,7 @@ def _delta(args: argparse.Namespace) -> int:
           f"{summary.bytes / 2**20:.1f} MiB)", file=sys.stderr)
     if args.verify:
         if args.checkpoint is None:
-            raise ValueError("--verify compares with a fresh build from --checkpoint")
+            raise InputError("--verify compares with a fresh build from --checkpoint")
         differing = verify_delta(args.archive, summary.path, args.checkpoint)
         if differing:
             raise VerificationFailed(f"the archive plus this delta differs from a fresh build in tables {differing}")
@@ -226,7 +239,7 @@ def _serve(args: argparse.Namespace) -> int:
             started = time.perf_counter()
             response = server.register(Path(archive).name)
             if response.status_code != 200:
-                raise ValueError(f"registering {archive}: {response.status_code} {response.text}")
+                raise InputError(f"registering {archive}: {response.status_code} {response.text}")
             print(f"registered {archive} in {time.perf_counter() - started:.1f}s")
         print("serving; Ctrl-C stops the server")
         while True:
@@ -273,8 +286,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchrec-serve",
         description="Build, verify, serve and benchmark TorchRec models on TorchServe.",
-        epilog="exit codes: 0 ok, 1 verification failed, 2 bad arguments, 3 bad spec, 4 checkpoint "
-        "does not match, 5 bad validation file, 6 TorchServe failed, 7 missing or existing file",
+        epilog="exit codes: 0 ok, 1 internal error (a bug: --debug shows it), 2 bad arguments, 3 bad "
+        "spec, 4 checkpoint does not match, 5 bad validation file, 6 TorchServe failed, 7 missing or "
+        "existing file, 8 verification failed",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -15,8 +15,8 @@ changed row is byte-identical to what a full build from the checkpoint holds (``
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -30,13 +30,14 @@ from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
 from handlers.modeling.spec import ModelSpec
+from handlers.runtime import fbgemm_ops  # noqa: F401  FBGEMM's quantization operators
 from handlers.runtime.archive import Archive, tables_file_name
 from handlers.runtime.archive_files import SPEC, TABLES, WEIGHTS, aoti_weights_file
 from handlers.runtime.artifacts import Artifact
+from handlers.runtime.errors import InputError
 from handlers.runtime.freshness.delta_file import DeltaWriter, dense_shapes, read_delta
 from handlers.runtime.freshness.dense import is_table_constant
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout, table_buffers
-from handlers.runtime import fbgemm_ops  # noqa: F401  FBGEMM's quantization operators
 
 CHUNK_ROWS = 1 << 18
 
@@ -54,9 +55,9 @@ class DeltaSource:
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None and self.rows is not None:
-            raise ValueError("table rows come from a checkpoint or from a rows file, not both")
+            raise InputError("table rows come from a checkpoint or from a rows file, not both")
         if self.checkpoint is None and self.rows is None and self.dense is None:
-            raise ValueError("a delta needs a checkpoint, a rows file or dense weights")
+            raise InputError("a delta needs a checkpoint, a rows file or dense weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,15 +129,15 @@ def served_dense(base: _Base, checkpoint: dict[str, torch.Tensor]) -> dict[str, 
         current = {n: t for n, t in current.items() if not is_table_constant(n)}
         served = {n: package_constant(state, n) for n in current}
     else:
-        raise ValueError(f"a {options.describe()} archive cannot swap dense weights: build it as aoti or eager "
+        raise InputError(f"a {options.describe()} archive cannot swap dense weights: build it as aoti or eager "
                          "(or a split with an aoti dense part)")
     missing = sorted(n for n, t in served.items() if t is None)
     if missing or set(served) != set(current):
-        raise ValueError(f"the served dense weights {sorted(current)} and the checkpoint's {sorted(served)} differ "
+        raise InputError(f"the served dense weights {sorted(current)} and the checkpoint's {sorted(served)} differ "
                          f"(missing {missing})")
     wrong = [n for n in current if dense_shapes({n: served[n]}) != dense_shapes({n: current[n]})]
     if wrong:
-        raise ValueError(f"dense weights {wrong}: dtype or shape differ from the archive's")
+        raise InputError(f"dense weights {wrong}: dtype or shape differ from the archive's")
     return {n: served[n].detach().contiguous() for n in current}
 
 
@@ -181,7 +182,7 @@ def _base(path: Path) -> Iterator[_Base]:
         layout = archive.layout
         if layout is None:
             why = tables_file_name(archive.options)[1] or f"no {TABLES}; rebuild it with this version"
-            raise ValueError(f"{path}: cannot take deltas: {why}")
+            raise InputError(f"{path}: cannot take deltas: {why}")
         buffers = table_buffers(torch.load(archive.tables_file(), mmap=True, weights_only=True))
         yield _Base(archive, load_spec(archive.file(SPEC)), layout, buffers)
 
@@ -208,16 +209,16 @@ def _from_rows(base: _Base, path: Path) -> Iterator[tuple[TableLayout, np.ndarra
     for name, entry in given.items():
         table = base.layout.table(name)
         if table is None:
-            raise ValueError(f"{path}: no table {name!r} in the model; it has {[t.name for t in base.layout.tables]}")
+            raise InputError(f"{path}: no table {name!r} in the model; it has {[t.name for t in base.layout.tables]}")
         ids, floats = torch.as_tensor(entry["ids"], dtype=torch.int64), torch.as_tensor(entry["rows"])
         if floats.shape != (len(ids), table.dim):
-            raise ValueError(f"{path}: {name}.rows must be [{len(ids)}, {table.dim}], got {list(floats.shape)}")
+            raise InputError(f"{path}: {name}.rows must be [{len(ids)}, {table.dim}], got {list(floats.shape)}")
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= table.rows):
-            raise ValueError(f"{path}: {name}.ids must lie in 0..{table.rows - 1}")
+            raise InputError(f"{path}: {name}.ids must lie in 0..{table.rows - 1}")
         ids, order = torch.sort(ids)  # a delta's ids are in order
         repeated = torch.nonzero(ids[1:] == ids[:-1]).flatten()
         if len(repeated):
-            raise ValueError(f"{path}: {name}.ids gives id {int(ids[repeated[0]])} more than once")
+            raise InputError(f"{path}: {name}.ids gives id {int(ids[repeated[0]])} more than once")
         for start in range(0, len(ids), CHUNK_ROWS):
             chunk = slice(start, start + CHUNK_ROWS)
             yield table, ids[chunk].numpy(), served_rows(floats[order[chunk]], table)

@@ -47,9 +47,18 @@ from handlers.modeling.registry import input_schema, load_spec, synthetic_reques
 from handlers.modeling.spec import ModelSpec
 from handlers.modeling.weights import InferenceWeights
 from handlers.runtime.archive import Archive
-from handlers.runtime.archive_files import HANDLERS, INPUTS, MODEL_CONFIG, SPEC, TABLES, VERIFICATION, WEIGHTS
+from handlers.runtime.archive_files import (
+    HANDLERS,
+    INPUTS,
+    MODEL_CONFIG,
+    SPEC,
+    TABLES,
+    VERIFICATION,
+    WEIGHTS,
+)
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.batching import coalesce
+from handlers.runtime.errors import InputError
 from handlers.runtime.inputs import InputSchema, Limits, Output
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.remote.lookups import InProcessShard
@@ -90,7 +99,7 @@ def build_distributed(
     spec = load_spec(spec_path)
     name = name or spec.name
     if not spec.shards:
-        raise ValueError(
+        raise InputError(
             f"{spec_path}: tables[].shard: no table names its shard; give each table one to build "
             "a distributed layout"
         )
@@ -191,7 +200,7 @@ def split_delta(dense_archive: Path, rows: Path, sequence: int) -> list[DeltaSum
         with Archive.open(dense_archive) as archive:
             options = archive.options
         if options.remote is None:
-            raise ValueError(f"{dense_archive}: not a dense archive of a distributed layout ({options.describe()})")
+            raise InputError(f"{dense_archive}: not a dense archive of a distributed layout ({options.describe()})")
         given = torch.load(rows, map_location="cpu", weights_only=True)
         shard_of = {}
         for route in options.remote.shards:
@@ -199,7 +208,7 @@ def split_delta(dense_archive: Path, rows: Path, sequence: int) -> list[DeltaSum
                 shard_of.update({t.name: route for t in load_spec(shard.file(SPEC)).tables})
         unknown = sorted(set(given) - set(shard_of))
         if unknown:
-            raise ValueError(f"{rows}: tables {unknown} are on no shard of the layout; it has {sorted(shard_of)}")
+            raise InputError(f"{rows}: tables {unknown} are on no shard of the layout; it has {sorted(shard_of)}")
         written = []
         for route in options.remote.shards:
             part = Path(tmp) / f"{route.name}.rows.pt"

@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from archive_tools.local_server import LocalTorchServe
+from handlers.runtime.errors import InputError
 from handlers.runtime.remote.plan import PLACEMENT_ENV
 
 # Shard hosts answer their dense hosts only: inside a layout, on loopback here (on a private
@@ -48,13 +49,13 @@ class HostGroup:
     @classmethod
     def parse(cls, raw: Any, field: str) -> "HostGroup":
         if not isinstance(raw, dict) or not isinstance(raw.get("archive"), str):
-            raise ValueError(f"{field}: must be {{archive: NAME, hosts: N}}, got {raw!r}")
+            raise InputError(f"{field}: must be {{archive: NAME, hosts: N}}, got {raw!r}")
         unknown = sorted(set(raw) - {"archive", "hosts"})
         if unknown:
-            raise ValueError(f"{field}.{unknown[0]}: unknown key")
+            raise InputError(f"{field}.{unknown[0]}: unknown key")
         hosts = raw.get("hosts", 1)
         if type(hosts) is not int or hosts < 1:
-            raise ValueError(f"{field}.hosts: must be a whole number >= 1, got {hosts!r}")
+            raise InputError(f"{field}.hosts: must be a whole number >= 1, got {hosts!r}")
         return cls(raw["archive"], hosts)
 
     def in_store(self, store: Path) -> str:
@@ -79,13 +80,13 @@ class LayoutFile:
         path = Path(path)
         raw = yaml.safe_load(path.read_text())
         if not isinstance(raw, dict):
-            raise ValueError(f"{path}: must be a mapping with model_store, dense and shards")
+            raise InputError(f"{path}: must be a mapping with model_store, dense and shards")
         unknown = sorted(set(raw) - {"model_store", "dense", "shards"})
         if unknown:
-            raise ValueError(f"{path}: {unknown[0]}: unknown key")
+            raise InputError(f"{path}: {unknown[0]}: unknown key")
         shards = raw.get("shards")
         if not isinstance(shards, dict) or not shards:
-            raise ValueError(f"{path}: shards: must map each shard's name to {{archive, hosts}}")
+            raise InputError(f"{path}: shards: must map each shard's name to {{archive, hosts}}")
         store = path.parent / str(raw.get("model_store", "model_store"))
         return cls(
             model_store=store.resolve(),
@@ -159,7 +160,7 @@ class LocalLayout:
             for server in servers:
                 response = server.management("POST", f"/freshness/{model}", params={"delta": f"{model}-{sequence:08d}.delta"})
                 if response.status_code != 200:
-                    raise ValueError(f"publishing to shard {shard} at {server.management_url}: {response.status_code} {response.text}")
+                    raise InputError(f"publishing to shard {shard} at {server.management_url}: {response.status_code} {response.text}")
 
     def freshness(self) -> dict[str, dict]:
         """Every shard host's freshness state (its watermark: ``applied_sequence``), by host."""
@@ -192,4 +193,4 @@ class LocalLayout:
         archive = group.in_store(self.layout.model_store)
         response = server.register(archive)
         if response.status_code != 200:
-            raise ValueError(f"registering {archive}: {response.status_code} {response.text}")
+            raise InputError(f"registering {archive}: {response.status_code} {response.text}")

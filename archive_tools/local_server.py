@@ -30,8 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from archive_tools.keys import TokenKeys
 from archive_tools.plugin import plugin_dir
 from archive_tools.resources import config_dir
+from handlers.runtime.errors import InputError
 from handlers.runtime.freshness.shared_tables import sweep
-
 
 _PORT_KEYS = {
     "inference_address": "http://127.0.0.1:{}",
@@ -307,7 +307,7 @@ class LocalTorchServe:
                 rf"^{key}=.*$", f"{key}={template.format(self.ports[key])}", text, flags=re.M
             )
             if count != 1:
-                raise ValueError(f"{self.base_config}: expected one '{key}=' line, found {count}")
+                raise InputError(f"{self.base_config}: expected one '{key}=' line, found {count}")
         settings = {"model_store": str(self.model_store), **self.settings}
         if re.search(r"^plugins_path=", text, flags=re.M):
             settings.setdefault("plugins_path", str(plugin_dir()))
@@ -339,7 +339,7 @@ def _configured_ports(config: Path) -> dict[str, int]:
     for key in _PORT_KEYS:
         match = re.search(rf"^{key}=(?:.*:)?(\d+)\s*$", text, flags=re.M)
         if match is None:
-            raise ValueError(f"{config}: no '{key}=' line with a port")
+            raise InputError(f"{config}: no '{key}=' line with a port")
         ports[key] = int(match.group(1))
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             try:

@@ -26,12 +26,13 @@ import numpy as np
 import orjson
 
 from handlers.modeling.spec import ModelSpec
+from handlers.runtime.errors import InputError
 
 TSV_SUFFIXES = (".tsv", ".txt")
 TSV_ITEMS_PER_REQUEST = 64
 
 
-class ValidationDataError(ValueError):
+class ValidationDataError(InputError):
     """A validation file that cannot be read; the message names the file, line and field."""
 
 

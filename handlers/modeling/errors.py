@@ -3,10 +3,12 @@ builds an eager model."""
 
 from __future__ import annotations
 
+from handlers.runtime.errors import InputError
 
-class SpecError(ValueError):
+
+class SpecError(InputError):
     """The model spec (YAML) is invalid; the message starts with the key path."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint does not match the model: lists every missing, unexpected and mis-shaped key."""

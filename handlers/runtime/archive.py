@@ -24,8 +24,9 @@ from typing import Any
 
 import yaml
 
-from handlers.runtime.archive_files import MODEL_CONFIG, INPUTS, TABLES, WEIGHTS, aoti_weights_file
+from handlers.runtime.archive_files import INPUTS, MODEL_CONFIG, TABLES, WEIGHTS, aoti_weights_file
 from handlers.runtime.artifacts import Artifact
+from handlers.runtime.errors import InputError
 from handlers.runtime.freshness.layout import TablesLayout
 from handlers.runtime.inputs import InputSchema
 from handlers.runtime.options import HandlerOptions
@@ -46,7 +47,7 @@ class Archive:
             self._tmp = tempfile.TemporaryDirectory(prefix=f"{self.path.stem}-archive-")
             self.folder = Path(self._tmp.name)
         elif self.path.exists():
-            raise ValueError(f"{self.path}: neither a .mar nor an archive folder")
+            raise InputError(f"{self.path}: neither a .mar nor an archive folder")
         else:
             raise FileNotFoundError(f"{self.path}: no such archive")
 
@@ -116,7 +117,7 @@ class Archive:
         why where deltas cannot reach them."""
         name, why = tables_file_name(self.options)
         if name is None:
-            raise ValueError(f"{self.path}: cannot take deltas: {why}")
+            raise InputError(f"{self.path}: cannot take deltas: {why}")
         return self.file(name)
 
 

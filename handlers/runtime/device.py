@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from handlers.runtime.errors import InputError
+
 
 def worker_device(requested: str, gpu_id: int | None) -> torch.device:
     """``cpu`` -> cpu; ``cuda`` -> ``cuda:<gpu_id>``. Refuses ``cuda`` where TorchServe assigned
@@ -15,7 +17,7 @@ def worker_device(requested: str, gpu_id: int | None) -> torch.device:
     if requested == "cpu":
         return torch.device("cpu")
     if requested != "cuda":
-        raise ValueError(f"device: must be 'cpu' or 'cuda', got {requested!r}")
+        raise InputError(f"device: must be 'cpu' or 'cuda', got {requested!r}")
     if gpu_id is None:
         raise RuntimeError(
             "device: the model runs on cuda, but TorchServe assigned this worker no GPU "

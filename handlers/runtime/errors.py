@@ -7,6 +7,12 @@ while decoding one request and never affects the other requests of a TorchServe 
 from __future__ import annotations
 
 
+class InputError(ValueError):
+    """What someone gave the project is wrong (an option, a file, an archive's config, a spec):
+    the message names it and the problem, in one line. The commands print it as it is; anything
+    else that escapes them is the project's own fault, shown as an internal error."""
+
+
 class ServingError(Exception):
     """Base of errors that become an HTTP response for one request."""
 

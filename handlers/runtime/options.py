@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from handlers.runtime.artifacts import Artifact
+from handlers.runtime.errors import InputError
 from handlers.runtime.remote.plan import RemotePlan
 from handlers.runtime.split import SplitPlan
 
@@ -35,15 +36,15 @@ class HandlerOptions:
 
     def __post_init__(self) -> None:
         if (self.split is not None) != (self.artifact == Artifact.SPLIT):
-            raise ValueError("split: a split plan goes with artifact 'split', and only with it")
+            raise InputError("split: a split plan goes with artifact 'split', and only with it")
         if (self.remote is not None) != (self.artifact == Artifact.REMOTE):
-            raise ValueError("shards: a remote plan goes with artifact 'remote', and only with it")
+            raise InputError("shards: a remote plan goes with artifact 'remote', and only with it")
         if self.intra_op_threads < 1:
-            raise ValueError(f"intra_op_threads: must be at least 1, got {self.intra_op_threads}")
+            raise InputError(f"intra_op_threads: must be at least 1, got {self.intra_op_threads}")
         if self.parallel_from_items < 0:
-            raise ValueError(f"parallel_from_items: must be >= 0, got {self.parallel_from_items}")
+            raise InputError(f"parallel_from_items: must be >= 0, got {self.parallel_from_items}")
         if self.metrics_flush_s < 0:
-            raise ValueError(f"metrics_flush_s: must be >= 0, got {self.metrics_flush_s}")
+            raise InputError(f"metrics_flush_s: must be >= 0, got {self.metrics_flush_s}")
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> "HandlerOptions":
@@ -54,7 +55,7 @@ class HandlerOptions:
         try:
             artifact = Artifact(value)
         except ValueError:
-            raise ValueError(f"artifact: unknown artifact {value!r}") from None
+            raise InputError(f"artifact: unknown artifact {value!r}") from None
         split = SplitPlan.from_options(raw) if artifact == Artifact.SPLIT else None
         remote = RemotePlan.from_options(raw) if artifact == Artifact.REMOTE else None
         return cls(
@@ -94,5 +95,5 @@ class HandlerOptions:
 def _number(raw: Mapping[str, Any], key: str, default: Any, kinds: Any) -> Any:
     value = raw.get(key, default)
     if not isinstance(value, kinds) or isinstance(value, bool):
-        raise ValueError(f"{key}: must be a number, got {value!r}")
+        raise InputError(f"{key}: must be a number, got {value!r}")
     return value

@@ -21,6 +21,7 @@ import torch
 
 from handlers.runtime.artifacts import Artifact, Runner
 from handlers.runtime.batching import Batch
+from handlers.runtime.errors import InputError
 from handlers.runtime.inputs import BatchKind, InputTag
 
 SPARSE_ARTIFACTS = (Artifact.AOTI, Artifact.EXPORTED, Artifact.EAGER)
@@ -63,9 +64,9 @@ class SplitPlan:
             ("dense_device", self.dense_device, list(DEVICES)),
         ):
             if value not in allowed:
-                raise ValueError(f"{field}: must be one of {allowed}, got {value!r}")
+                raise InputError(f"{field}: must be one of {allowed}, got {value!r}")
         if self.dense_device != "cpu" and self.dense == Artifact.AOTI:
-            raise ValueError(
+            raise InputError(
                 f"dense_device: {self.dense_device} needs dense: exported (moved there at load); "
                 "this tool compiles AOTInductor packages for cpu only"
             )
@@ -81,7 +82,7 @@ class SplitPlan:
             try:
                 artifacts[key] = Artifact(value)
             except ValueError:
-                raise ValueError(f"{key}: unknown artifact {value!r}") from None
+                raise InputError(f"{key}: unknown artifact {value!r}") from None
         device = str(options.get("dense_device", defaults.dense_device))
         return cls(**artifacts, dense_device=device)
 

@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
+from handlers.runtime.errors import InputError
 from handlers.runtime.freshness.applier import Pace
 from handlers.runtime.freshness.shared_tables import ROOTS
 
@@ -27,9 +28,9 @@ class FreshnessConfig:
         raw = dict(raw or {})
         unknown = set(raw) - {"rows_per_s", "chunk_rows", "tables_dir"}
         if unknown:
-            raise ValueError(f"freshness: unknown keys {sorted(unknown)}")
+            raise InputError(f"freshness: unknown keys {sorted(unknown)}")
         pace = Pace(float(raw.get("rows_per_s", Pace.rows_per_s)), int(raw.get("chunk_rows", Pace.chunk_rows)))
         if pace.rows_per_s <= 0 or pace.chunk_rows <= 0:
-            raise ValueError(f"freshness: rows_per_s and chunk_rows must be positive, got {raw}")
+            raise InputError(f"freshness: rows_per_s and chunk_rows must be positive, got {raw}")
         roots = ROOTS if "tables_dir" not in raw else (Path(raw["tables_dir"]), *ROOTS[1:])
         return cls(pace, roots)

@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from handlers.runtime.artifacts import Artifact
+from handlers.runtime.errors import InputError
 
 PLACEMENT_ENV = "TORCHREC_SERVE_PLACEMENT"
 DENSE_ARTIFACTS = (Artifact.AOTI, Artifact.EXPORTED)
@@ -50,7 +51,7 @@ class ShardRoute:
 
     def __post_init__(self) -> None:
         if len(self.widths) != len(self.features) or not all(w > 0 for w in self.widths):
-            raise ValueError(f"shards.{self.name}.widths: one positive width per feature, got {self.widths}")
+            raise InputError(f"shards.{self.name}.widths: one positive width per feature, got {self.widths}")
 
     def to_options(self) -> dict[str, Any]:
         return {
@@ -75,9 +76,9 @@ class Deadline:
         for key in ("floor_ms", "max_ms", "multiple", "retry_after_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"deadline.{key}: must be a positive number, got {value!r}")
+                raise InputError(f"deadline.{key}: must be a positive number, got {value!r}")
         if self.floor_ms > self.max_ms:
-            raise ValueError(f"deadline.floor_ms: must not exceed max_ms ({self.max_ms}), got {self.floor_ms}")
+            raise InputError(f"deadline.floor_ms: must not exceed max_ms ({self.max_ms}), got {self.floor_ms}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +92,9 @@ class RemotePlan:
 
     def __post_init__(self) -> None:
         if self.dense not in DENSE_ARTIFACTS:
-            raise ValueError(f"dense: must be one of {[a.value for a in DENSE_ARTIFACTS]}, got {self.dense.value!r}")
+            raise InputError(f"dense: must be one of {[a.value for a in DENSE_ARTIFACTS]}, got {self.dense.value!r}")
         if not self.shards:
-            raise ValueError("shards: a dense host needs at least one shard")
+            raise InputError("shards: a dense host needs at least one shard")
 
     @property
     def dense_file(self) -> str:
@@ -106,10 +107,10 @@ class RemotePlan:
         try:
             dense = Artifact(value)
         except ValueError:
-            raise ValueError(f"dense: unknown artifact {value!r}") from None
+            raise InputError(f"dense: unknown artifact {value!r}") from None
         raw_shards = options.get("shards")
         if not isinstance(raw_shards, list):
-            raise ValueError(f"shards: must be a list of shards, got {raw_shards!r}")
+            raise InputError(f"shards: must be a list of shards, got {raw_shards!r}")
         shards = []
         for i, raw in enumerate(raw_shards):
             try:
@@ -119,16 +120,16 @@ class RemotePlan:
                     widths=tuple(int(w) for w in raw["widths"]),
                 ))
             except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"shards[{i}]: needs name, model, features and widths ({e})") from None
+                raise InputError(f"shards[{i}]: needs name, model, features and widths ({e})") from None
         stacked = options.get("stacked", True)
         if not isinstance(stacked, bool):
-            raise ValueError(f"stacked: must be true or false, got {stacked!r}")
+            raise InputError(f"stacked: must be true or false, got {stacked!r}")
         raw_deadline = options.get("deadline", {})
         if not isinstance(raw_deadline, Mapping):
-            raise ValueError(f"deadline: must be a mapping, got {raw_deadline!r}")
+            raise InputError(f"deadline: must be a mapping, got {raw_deadline!r}")
         unknown = sorted(set(raw_deadline) - {f.name for f in dataclasses.fields(Deadline)})
         if unknown:
-            raise ValueError(f"deadline.{unknown[0]}: unknown key")
+            raise InputError(f"deadline.{unknown[0]}: unknown key")
         return cls(dense, tuple(shards), stacked, Deadline(**raw_deadline))
 
     def to_options(self) -> dict[str, Any]:
@@ -143,7 +144,7 @@ class RemotePlan:
         """The plan with each shard's replicas from ``placement`` (shard name -> addresses)."""
         missing = [s.name for s in self.shards if not placement.get(s.name)]
         if missing:
-            raise ValueError(f"placement: no replica given for shard(s) {missing}")
+            raise InputError(f"placement: no replica given for shard(s) {missing}")
         shards = tuple(dataclasses.replace(s, replicas=tuple(placement[s.name])) for s in self.shards)
         return dataclasses.replace(self, shards=shards)
 
@@ -157,20 +158,20 @@ def read_placement(path: str | Path | None = None) -> dict[str, list[str]]:
     if path is None:
         path = os.environ.get(PLACEMENT_ENV)
         if not path:
-            raise ValueError(
+            raise InputError(
                 f"{PLACEMENT_ENV}: not set; a dense host needs a placement file saying where its "
                 "shards are (torchrec-serve launch writes one)"
             )
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"placement {path}: cannot be read: {e}") from None
+        raise InputError(f"placement {path}: cannot be read: {e}") from None
     shards = raw.get("shards") if isinstance(raw, dict) else None
     if not isinstance(shards, dict):
-        raise ValueError(f"placement {path}: shards: must map each shard to its replicas' addresses")
+        raise InputError(f"placement {path}: shards: must map each shard to its replicas' addresses")
     placement = {}
     for name, replicas in shards.items():
         if not isinstance(replicas, list) or not all(isinstance(r, str) and ":" in r for r in replicas):
-            raise ValueError(f"placement {path}: shards.{name}: must be a list of host:port, got {replicas!r}")
+            raise InputError(f"placement {path}: shards.{name}: must be a list of host:port, got {replicas!r}")
         placement[str(name)] = replicas
     return placement
