@@ -6,7 +6,7 @@ graph's dynamic shapes:
 
 * ``ROWS`` / ``CONTEXT`` ``[N or K, D]``: dim 0 dynamic (N items, or K requests);
 * ``JAGGED``: ``values [V]`` (and ``weights [V]``) with V dynamic, and ``lengths [F, N]``;
-* ``ITEM_COUNTS`` ``[K]``; ``STATIC``: as is.
+* ``ITEM_COUNTS`` ``[K]``.
 
 A graph takes batches of any size, except where TorchAO's int8 dynamic activation quantization is
 in it: that quantizer adds a guard against batch 1, so such graphs are captured for K >= 2 requests
@@ -41,20 +41,18 @@ MAX_VALUES = 1 << 28
 
 def dynamic_shapes(
     tags: Sequence[InputTag], weighted: bool, min_batch: int = 1
-) -> tuple[dict[int, Dim] | None, ...]:
+) -> tuple[dict[int, Dim], ...]:
     items = Dim("items", min=min_batch, max=MAX_BATCH)
     requests = Dim("requests", min=min_batch, max=MAX_BATCH)
     values = Dim("values", min=0, max=MAX_VALUES)
-    shapes: list[dict[int, Dim] | None] = []
+    shapes: list[dict[int, Dim]] = []
     for tag in tags:
-        if tag.kind == BatchKind.ROWS or (tag.kind == BatchKind.CONTEXT and tag.broadcast):
+        if tag.kind == BatchKind.ROWS:
             shapes.append({0: items})
         elif tag.kind in (BatchKind.CONTEXT, BatchKind.ITEM_COUNTS):
             shapes.append({0: requests})
-        elif tag.kind == BatchKind.JAGGED:
+        else:  # JAGGED
             shapes += [{0: values}, {1: items}] + ([{0: values}] if weighted else [])
-        else:
-            shapes.append(None)
     return tuple(shapes)
 
 

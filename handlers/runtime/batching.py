@@ -32,17 +32,8 @@ def coalesce(requests: Sequence[RequestInputs], tags: Sequence[InputTag]) -> Bat
             batch[tag.name] = counts
             continue
         parts = [r.tensors[tag.name] for r in requests]
-        if tag.kind == BatchKind.ROWS:
+        if tag.kind in (BatchKind.ROWS, BatchKind.CONTEXT):
             batch[tag.name] = _cat_rows(parts)
-        elif tag.kind == BatchKind.CONTEXT:
-            rows = _cat_rows(parts)
-            batch[tag.name] = (
-                torch.repeat_interleave(rows, counts, dim=0, output_size=int(counts.sum()))
-                if tag.broadcast
-                else rows
-            )
-        elif tag.kind == BatchKind.STATIC:
-            batch[tag.name] = _one_static(tag.name, parts)
         else:
             batch[tag.name] = _coalesce_jagged(parts)
     return batch
@@ -65,15 +56,6 @@ def plain_arguments(batch: Batch, tags: Sequence[InputTag]) -> tuple[torch.Tenso
 
 def _cat_rows(parts: Sequence[RequestTensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # type: ignore[arg-type]
-
-
-def _one_static(name: str, parts: Sequence[RequestTensor]) -> torch.Tensor:
-    """An input without a batch dimension can only be shared by requests that agree on it."""
-    first = parts[0]
-    for k, part in enumerate(parts[1:], start=1):
-        if not torch.equal(part, first):  # type: ignore[arg-type]
-            raise ValueError(f"{name}: request {k} differs from request 0; a static input must match")
-    return first  # type: ignore[return-value]
 
 
 def _coalesce_jagged(parts: Sequence[JaggedIds]) -> JaggedIds:
@@ -117,8 +99,6 @@ def padding_request(like: RequestInputs, tags: Sequence[InputTag], with_ids: boo
                 values=part.values.new_zeros(int(with_ids)),
                 weights=None if part.weights is None else part.weights.new_ones(int(with_ids)),
             )
-        elif tag.kind == BatchKind.STATIC:
-            tensors[tag.name] = part
         else:  # ROWS and CONTEXT: [1, ...] per item / per request
             tensors[tag.name] = part.new_zeros(1, *part.shape[1:])
     return RequestInputs(num_items=1, tensors=tensors)

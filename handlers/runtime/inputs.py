@@ -9,9 +9,8 @@ Batch tags, for K requests of n_1..n_K items (N = sum):
 
 * ``ROWS``        [n_k, D] per request      -> [N, D]
 * ``JAGGED``      bags of ids per feature   -> ``JaggedIds`` with lengths [F, N] (feature-major)
-* ``CONTEXT``     [1, D] once per request   -> [K, D] (or repeated per item with ``broadcast``)
+* ``CONTEXT``     [1, D] once per request   -> [K, D] (the model spreads it over the items)
 * ``ITEM_COUNTS`` made by the coalescer     -> int64 [K]: n_1..n_K
-* ``STATIC``      no batch dimension        -> the one tensor every request carries
 
 Example::
 
@@ -34,21 +33,18 @@ class BatchKind(str, enum.Enum):
     JAGGED = "jagged"
     CONTEXT = "context"
     ITEM_COUNTS = "item_counts"
-    STATIC = "static"
 
 
 @dataclasses.dataclass(frozen=True)
 class InputTag:
     """How one named model input batches.
 
-    ``keys``: the feature names of a ``JAGGED`` input. ``broadcast``: a ``CONTEXT`` input is repeated
-    to its request's items by the coalescer (else the model gets one row per request).
+    ``keys``: the feature names of a ``JAGGED`` input.
     """
 
     name: str
     kind: BatchKind
     keys: tuple[str, ...] = ()
-    broadcast: bool = False
 
 
 class Output(str, enum.Enum):
@@ -159,7 +155,7 @@ class InputSchema:
         return cls(
             model=raw["model"],
             tags=tuple(
-                InputTag(t["name"], BatchKind(t["kind"]), tuple(t["keys"]), t["broadcast"])
+                InputTag(t["name"], BatchKind(t["kind"]), tuple(t["keys"]))
                 for t in raw["tags"]
             ),
             dense_features=raw["dense_features"],

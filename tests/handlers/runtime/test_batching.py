@@ -78,23 +78,16 @@ def test_service_chunks_forwards_at_max_items(tiny_spec, tiny_weights):
     assert all(r.status == 200 for r in handled.responses)
 
 
-def _two_requests(**extra):
+def _two_requests():
     """Requests of 2 and 3 candidates, each with its own user context row."""
     return [
-        RequestInputs(2, {"candidates": torch.tensor([[1.0], [2.0]]), "user": torch.tensor([[10.0, 11.0]]), **extra}),
-        RequestInputs(3, {"candidates": torch.tensor([[3.0], [4.0], [5.0]]), "user": torch.tensor([[20.0, 21.0]]), **extra}),
+        RequestInputs(2, {"candidates": torch.tensor([[1.0], [2.0]]), "user": torch.tensor([[10.0, 11.0]])}),
+        RequestInputs(3, {"candidates": torch.tensor([[3.0], [4.0], [5.0]]), "user": torch.tensor([[20.0, 21.0]])}),
     ]
 
 
-def test_context_input_is_broadcast_to_each_requests_items():
-    tags = (InputTag("candidates", BatchKind.ROWS), InputTag("user", BatchKind.CONTEXT, broadcast=True))
-    batch = coalesce(_two_requests(), tags)
-    assert batch["candidates"].reshape(-1).tolist() == [1, 2, 3, 4, 5]
-    assert batch["user"].tolist() == [[10, 11], [10, 11], [20, 21], [20, 21], [20, 21]]
-
-
 def test_context_kept_per_request_with_item_counts():
-    """Without ``broadcast`` the model gets one context row per request and the item counts."""
+    """The model gets one context row per request and the item counts (it spreads the rows)."""
     tags = (
         InputTag("user", BatchKind.CONTEXT),
         InputTag("counts", BatchKind.ITEM_COUNTS),
@@ -103,16 +96,6 @@ def test_context_kept_per_request_with_item_counts():
     batch = coalesce(_two_requests(), tags)
     assert batch["user"].tolist() == [[10, 11], [20, 21]]
     assert batch["counts"].tolist() == [2, 3] and batch["counts"].dtype == torch.int64
-
-
-def test_static_input_is_passed_once_and_must_agree():
-    tags = (InputTag("candidates", BatchKind.ROWS), InputTag("temperature", BatchKind.STATIC))
-    batch = coalesce(_two_requests(temperature=torch.tensor(0.5)), tags)
-    assert batch["temperature"].item() == 0.5
-    requests = _two_requests(temperature=torch.tensor(0.5))
-    requests[1].tensors["temperature"] = torch.tensor(0.7)
-    with pytest.raises(ValueError, match="temperature: request 1 differs"):
-        coalesce(requests, tags)
 
 
 def test_jagged_weights_follow_their_ids():
