@@ -26,12 +26,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from archive_tools.build import (
-    ARCHIVE_FORMATS,
-    ServingConfig,
-    VerificationFailed,
-    build_archive,
-)
+from archive_tools.build import build_archive
+from archive_tools.model_config import ServingConfig
+from archive_tools.pipeline import ARCHIVE_FORMATS, VerificationFailed
 from archive_tools.delta import DeltaSource, make_delta, verify_delta
 from archive_tools.distributed import build_distributed, split_delta
 from archive_tools.launcher import LayoutFile, LocalLayout

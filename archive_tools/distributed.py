@@ -17,45 +17,36 @@ carries, the dense part loaded from its archive files, against the single-host m
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import yaml
 from tqdm import tqdm
 
-from archive_tools.build import (
-    HANDLERS_DIR,
-    ServingConfig,
-    VerificationFailed,
-    check_replaceable,
-    package_archive,
-    served_weights,
-    stage_files,
-)
 from archive_tools.capture import capture, check_capturable
 from archive_tools.delta import DeltaSource, DeltaSummary, make_delta
-from archive_tools.validation_data import read_validation
-from archive_tools.verification import Bounds, generated_validation, verify
+from archive_tools.model_config import ServingConfig
+from archive_tools.pipeline import (
+    archive_bytes,
+    check_replaceable,
+    package,
+    reference_service,
+    served_weights,
+    stage_files,
+    validation_data,
+    verify_staged,
+)
+from archive_tools.verification import Bounds
 from handlers.loading import dense_host_model, load_service
-from handlers.modeling.eager import EagerModel, eager_service
+from handlers.modeling.eager import EagerModel
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import input_schema, load_spec, synthetic_request
 from handlers.modeling.spec import ModelSpec
-from handlers.modeling.weights import InferenceWeights
+from handlers.modeling.weights import InferenceWeights, TableRows
 from handlers.runtime.archive import Archive
-from handlers.runtime.archive_files import (
-    HANDLERS,
-    INPUTS,
-    MODEL_CONFIG,
-    SPEC,
-    TABLES,
-    VERIFICATION,
-    WEIGHTS,
-)
+from handlers.runtime.archive_files import INPUTS, SPEC, TABLES, WEIGHTS
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.batching import coalesce
 from handlers.runtime.errors import InputError
@@ -94,7 +85,9 @@ def build_distributed(
     archive_format: str = "default",
 ) -> list[Path]:
     """Writes ``NAME-<shard>`` per shard and ``NAME-dense``; returns their paths (dense last).
-    Raises ``VerificationFailed`` (nothing written) when the layout does not score like the model."""
+    Raises ``VerificationFailed`` (nothing written) when the layout does not score like the model.
+    The stages are the single-host build's (``archive_tools.pipeline``), with the tables split
+    into shards after staging, and one archive packaged per shard."""
     started = time.perf_counter()
     spec = load_spec(spec_path)
     name = name or spec.name
@@ -104,39 +97,23 @@ def build_distributed(
             "a distributed layout"
         )
     check_capturable(spec)
-    names = [shard_model_name(name, s) for s in spec.shards] + [shard_model_name(name, DENSE_SUFFIX)]
+    dense_name = shard_model_name(name, DENSE_SUFFIX)
     if archive_format == "no-archive":
-        for archive_name in names:
+        for archive_name in [shard_model_name(name, s) for s in spec.shards] + [dense_name]:
             check_replaceable(model_store / archive_name)
     factory = DLRMFactory(spec)
     with tqdm(total=6, desc="distributed archives", unit="stage", file=sys.stderr) as stages:
-        weights, reference = served_weights(factory, checkpoint, seed, quantized_init, stages)
+        weights, float_model = served_weights(factory, checkpoint, seed, quantized_init, stages)
         with tempfile.TemporaryDirectory(prefix=f"{name}-distributed-") as tmp:
             whole = Path(tmp) / DENSE_SUFFIX / "extra"  # the single-host staging; the dense part comes from it
             stage_files(whole, spec, factory, weights)
             del weights
-            tables = factory.load_weights(whole / WEIGHTS)  # mapped: page cache, no copy
-            if reference is None:
-                reference = factory.inference_model(tables)
-            reference_service = eager_service(spec, reference)
-            data = (
-                read_validation(validation, spec)
-                if validation is not None
-                else generated_validation(spec, reference_service, 64, 16, seed)
-            )
+            reference = reference_service(spec, factory, float_model, whole)
+            data = validation_data(spec, reference, validation, seed)
 
             stages.set_postfix_str("shards")
-            routes, shard_dirs = [], []
-            for shard in spec.shards:
-                shard_spec = spec.shard_spec(shard)
-                folder = Path(tmp) / shard / "extra"
-                stage_shard(folder, shard_spec, tables.tables, spec.limits.to_limits())
-                routes.append(
-                    ShardRoute(shard, shard_model_name(name, shard), shard_spec.feature_names, shard_spec.feature_dims)
-                )
-                shard_dirs.append(folder)
-            plan = RemotePlan(dense, tuple(routes), stacked=_stacked(spec, factory, tables))
-            del tables
+            shards = _stage_shards(Path(tmp), spec, factory, whole, name)
+            plan = RemotePlan(dense, tuple(route for route, _ in shards), stacked=_stacked(spec, factory, whole))
             stages.update()
 
             stages.set_postfix_str(f"capture the dense part ({dense.value})")
@@ -146,46 +123,72 @@ def build_distributed(
             stages.update()
 
             stages.set_postfix_str("verify")
-            shards = [
-                InProcessShard(route, load_service(folder, HandlerOptions(Artifact.LOOKUPS)))
-                for route, folder in zip(routes, shard_dirs)
-            ]
-            schema = InputSchema.from_file(whole / INPUTS)
-            served = ScoringService(schema, dense_host_model(whole, schema, plan, shards))
-            report = verify(served, reference_service, data, bounds)
-            for line in report.lines("built" if quantized_init else "float"):
-                tqdm.write(line, file=sys.stderr)
-            model_store.mkdir(parents=True, exist_ok=True)
-            report_path = model_store / f"{names[-1]}.{VERIFICATION}"
-            report_path.write_bytes(report.to_json())
-            (whole / VERIFICATION).write_bytes(report.to_json())
-            if not report.passed:
-                raise VerificationFailed(
-                    f"refusing to write the layout of {name}: {'; '.join(report.failures)} (report: {report_path})"
-                )
-            del shards, served
+            verify_staged(_layout_service(whole, plan, shards), reference, data, bounds, name=dense_name,
+                          model_store=model_store, staging=whole, against="built" if quantized_init else "float")
             stages.update()
 
             stages.set_postfix_str("torch-model-archiver")
-            archives = []
-            # A shard call is a dense host's whole batch already: answered as it comes, not held
-            # for others (TorchServe waits maxBatchDelay for a batch to fill; 0 means its default).
-            shard_serving = dataclasses.replace(serving, batch_size=1, max_batch_delay_ms=1)
-            for route, folder in zip(routes, shard_dirs):
-                config = shard_serving.model_config(Artifact.LOOKUPS, (folder / WEIGHTS).stat().st_size, None)
-                archives.append(_package_with(folder, config, route.model, version, model_store, archive_format))
-            dense_bytes = sum(f.stat().st_size for f in whole.glob("*.pt*"))
-            # A dense host's batch may wait out a shard's fail-over: admission control, which
-            # sheds requests that would queue longer than a few batch times, allows for it.
-            wait_ms = serving.max_queue_wait_ms or int(2 * plan.deadline.max_ms)
-            dense_serving = dataclasses.replace(serving, max_queue_wait_ms=wait_ms)
-            config = dense_serving.model_config(Artifact.REMOTE, dense_bytes, None, plan)
-            archives.append(_package_with(whole, config, names[-1], version, model_store, archive_format))
+            archives = _package_layout(whole, shards, plan, serving, dense_name, version, model_store, archive_format)
             stages.update()
     for archive in archives:
-        size = sum(f.stat().st_size for f in archive.rglob("*")) if archive.is_dir() else archive.stat().st_size
-        tqdm.write(f"wrote {archive} ({size / 2**20:.1f} MiB)", file=sys.stderr)
+        tqdm.write(f"wrote {archive} ({archive_bytes(archive) / 2**20:.1f} MiB)", file=sys.stderr)
     tqdm.write(f"built {len(archives)} archives in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    return archives
+
+
+def _stage_shards(root: Path, spec: ModelSpec, factory: DLRMFactory, whole: Path, name: str) -> list[tuple[ShardRoute, Path]]:
+    """Each shard's staged files (its tables' rows, byte for byte from the staged weights), and
+    its route."""
+    tables = factory.load_weights(whole / WEIGHTS).tables  # mapped: page cache, no copy
+    shards = []
+    for shard in spec.shards:
+        shard_spec = spec.shard_spec(shard)
+        folder = root / shard / "extra"
+        stage_shard(folder, shard_spec, tables, spec.limits.to_limits())
+        route = ShardRoute(shard, shard_model_name(name, shard), shard_spec.feature_names, shard_spec.feature_dims)
+        shards.append((route, folder))
+    return shards
+
+
+def stage_shard(folder: Path, shard_spec: ModelSpec, tables: dict[str, TableRows], model_limits: Limits) -> None:
+    """A shard archive's files: its tables' rows out of ``tables`` (all the model's), and what a
+    shard takes (``shard_schema``)."""
+    rows = InferenceWeights({t.name: tables[t.name] for t in shard_spec.tables}, {}, None)
+    stage_files(folder, shard_spec, DLRMFactory(shard_spec), rows, shard_schema(shard_spec, model_limits))
+
+
+def _layout_service(whole: Path, plan: RemotePlan, shards: list[tuple[ShardRoute, Path]]) -> ScoringService:
+    """The layout as it will serve: each shard loaded as its worker loads it and called in process
+    through the same v2 bytes a remote call carries, the dense part loaded from its staged files."""
+    callers = [InProcessShard(route, load_service(folder, HandlerOptions(Artifact.LOOKUPS))) for route, folder in shards]
+    schema = InputSchema.from_file(whole / INPUTS)
+    return ScoringService(schema, dense_host_model(whole, schema, plan, callers))
+
+
+def _package_layout(
+    whole: Path,
+    shards: list[tuple[ShardRoute, Path]],
+    plan: RemotePlan,
+    serving: ServingConfig,
+    dense_name: str,
+    version: str,
+    model_store: Path,
+    archive_format: str,
+) -> list[Path]:
+    """One archive per shard, then the dense one."""
+    archives = []
+    # A shard call is a dense host's whole batch already: answered as it comes, not held
+    # for others (TorchServe waits maxBatchDelay for a batch to fill; 0 means its default).
+    shard_serving = dataclasses.replace(serving, batch_size=1, max_batch_delay_ms=1)
+    for route, folder in shards:
+        config = shard_serving.model_config(Artifact.LOOKUPS, (folder / WEIGHTS).stat().st_size, None)
+        archives.append(package(folder, config, route.model, version, model_store, archive_format))
+    dense_bytes = sum(f.stat().st_size for f in whole.glob("*.pt*"))
+    # A dense host's batch may wait out a shard's fail-over: admission control, which
+    # sheds requests that would queue longer than a few batch times, allows for it.
+    wait_ms = serving.max_queue_wait_ms or int(2 * plan.deadline.max_ms)
+    config = dataclasses.replace(serving, max_queue_wait_ms=wait_ms).model_config(Artifact.REMOTE, dense_bytes, None, plan)
+    archives.append(package(whole, config, dense_name, version, model_store, archive_format))
     return archives
 
 
@@ -247,30 +250,12 @@ def shard_schema(shard_spec: ModelSpec, model_limits: Limits) -> InputSchema:
     )
 
 
-def stage_shard(folder: Path, shard_spec: ModelSpec, rows: dict, model_limits: Limits) -> None:
-    """A shard archive's files: the handlers package, its spec and inputs, its tables' rows."""
-    shutil.copytree(HANDLERS_DIR, folder / HANDLERS, ignore=shutil.ignore_patterns("__pycache__"))
-    shard_spec.to_yaml(folder / SPEC)
-    shard_schema(shard_spec, model_limits).save(folder / INPUTS)
-    factory = DLRMFactory(shard_spec)
-    weights = InferenceWeights({t.name: rows[t.name] for t in shard_spec.tables}, {}, None)
-    factory.save_weights(weights, folder / WEIGHTS)
-    factory.tables_layout(folder / WEIGHTS).save(folder)
-
-
-def _stacked(spec: ModelSpec, factory: DLRMFactory, tables: InferenceWeights) -> bool:
+def _stacked(spec: ModelSpec, factory: DLRMFactory, staging: Path) -> bool:
     """Whether the architecture's dense part takes [N, F, D] (else [N, sum of widths])."""
+    tables = factory.load_weights(staging / WEIGHTS)
     schema = input_schema(spec)
     decoder = RequestDecoder(schema)
     batch = coalesce([decoder.decode(synthetic_request(spec, 2, seed=0)).inputs], schema.tags)
     lookups = factory.lookups(InferenceWeights(tables.tables, {}, tables.buffers))
     with torch.inference_mode():
         return EagerModel(lookups, (schema.jagged,))(batch).dim() == 3
-
-
-def _package_with(
-    staging: Path, config: dict, name: str, version: str, model_store: Path, archive_format: str
-) -> Path:
-    config_path = staging.parent / MODEL_CONFIG
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return package_archive(staging, config_path, name, version, model_store, archive_format)

@@ -27,7 +27,8 @@ import orjson  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from archive_tools.build import ServingConfig, build_archive  # noqa: E402
+from archive_tools.build import build_archive  # noqa: E402
+from archive_tools.model_config import ServingConfig  # noqa: E402
 from archive_tools.local_server import LocalTorchServe  # noqa: E402
 from benchmarks.scenarios import MODELS, REPO  # noqa: E402
 from handlers.loading import load_service  # noqa: E402

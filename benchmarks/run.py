@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from archive_tools.build import ServingConfig
+from archive_tools.model_config import ServingConfig
 from archive_tools.local_server import HandlerCounters, LocalTorchServe
 from benchmarks import report
 from benchmarks.inprocess import CeilingProcess

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import orjson
 
-from archive_tools.build import ServingConfig, VerificationFailed, build_archive
+from archive_tools.build import build_archive
+from archive_tools.model_config import ServingConfig
+from archive_tools.pipeline import VerificationFailed
 from archive_tools.local_server import LocalTorchServe
 from handlers.runtime.artifacts import Artifact
 

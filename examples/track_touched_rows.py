@@ -29,7 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from archive_tools.build import ServingConfig, build_archive
+from archive_tools.build import build_archive
+from archive_tools.model_config import ServingConfig
 from archive_tools.delta import DeltaSource, make_delta, verify_delta
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from archive_tools.build import ServingConfig, build_archive
+from archive_tools.build import build_archive
+from archive_tools.model_config import ServingConfig
 from archive_tools.cli import main
 from archive_tools.delta import DeltaSource, make_delta, served_rows, table_rows, verify_delta
 from handlers.modeling.factory import DLRMFactory

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.helpers import archive_service
-from archive_tools.build import ServingConfig, build_archive
+from archive_tools.build import build_archive
+from archive_tools.model_config import ServingConfig
 from archive_tools.delta import DeltaSource, make_delta
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec

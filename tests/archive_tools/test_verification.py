@@ -8,7 +8,9 @@ import orjson
 import pytest
 import torch
 
-from archive_tools.build import ServingConfig, VerificationFailed, build_archive
+from archive_tools.build import build_archive
+from archive_tools.model_config import ServingConfig
+from archive_tools.pipeline import VerificationFailed
 from archive_tools.verification import Bounds
 from archive_tools.validation_data import ValidationDataError, read_validation
 from archive_tools.verification import auc, log_loss, normalized_entropy

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from archive_tools.build import ServingConfig, build_archive
+from archive_tools.build import build_archive
+from archive_tools.model_config import ServingConfig
 from archive_tools.local_server import LocalTorchServe
 from handlers.runtime.service import ScoringService
 from tests.conftest import RANKER_SPEC

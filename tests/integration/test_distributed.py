@@ -17,7 +17,7 @@ import requests
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from archive_tools.build import ServingConfig
+from archive_tools.model_config import ServingConfig
 from archive_tools.cli import main
 from archive_tools.distributed import build_distributed, split_delta
 from archive_tools.launcher import HostGroup, LayoutFile, LocalLayout

@@ -14,7 +14,8 @@ import psutil
 import pytest
 import requests
 
-from archive_tools.build import ServingConfig, build_archive
+from archive_tools.build import build_archive
+from archive_tools.model_config import ServingConfig
 from archive_tools.local_server import LocalTorchServe
 from benchmarks.load import BackgroundLoad, run_closed_loop
 from benchmarks.traffic import TrafficModel

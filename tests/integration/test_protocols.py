@@ -15,7 +15,8 @@ import requests
 import tritonclient.http as triton
 from prometheus_client.parser import text_string_to_metric_families
 
-from archive_tools.build import ServingConfig, build_archive
+from archive_tools.build import build_archive
+from archive_tools.model_config import ServingConfig
 from archive_tools.local_server import LocalTorchServe
 from handlers.modeling.registry import load_spec
 from tests.conftest import CRITEO_SPEC, TINY_SPEC

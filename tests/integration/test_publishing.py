@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from archive_tools.build import ServingConfig, build_archive
+from archive_tools.build import build_archive
+from archive_tools.model_config import ServingConfig
 from archive_tools.delta import DeltaSource, make_delta, served_rows
 from archive_tools.local_server import LocalTorchServe
 from benchmarks.load import BackgroundLoad

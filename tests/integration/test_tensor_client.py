@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import requests
 
-from archive_tools.build import ServingConfig, build_archive
+from archive_tools.build import build_archive
+from archive_tools.model_config import ServingConfig
 from archive_tools.client import ScoringClient
 from archive_tools.local_server import LocalTorchServe
 from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH

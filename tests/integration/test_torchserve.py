@@ -16,7 +16,8 @@ import pytest
 import requests
 import torch
 
-from archive_tools.build import ServingConfig, build_archive
+from archive_tools.build import build_archive
+from archive_tools.model_config import ServingConfig
 from archive_tools.local_server import LocalTorchServe
 from archive_tools.verification import Bounds
 from handlers.runtime.artifacts import Artifact

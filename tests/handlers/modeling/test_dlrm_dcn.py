@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from archive_tools.build import ServingConfig, build_archive
+from archive_tools.build import build_archive
+from archive_tools.model_config import ServingConfig
 from archive_tools.export import compile_aoti, export_model
 from archive_tools.local_server import LocalTorchServe
 from handlers.modeling.eager import eager_service

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from archive_tools.distributed import build_distributed, shard_schema, stage_shard
-from archive_tools.build import ServingConfig
+from archive_tools.model_config import ServingConfig
 from handlers.loading import load_service
 from handlers.modeling.eager import EagerModel
 from handlers.modeling.errors import SpecError
