@@ -15,19 +15,19 @@ in it: that quantizer adds a guard against batch 1, so such graphs are captured 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import re
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.export import Dim
 
+from archive_tools.torch_internals import kept_as_constants
 from handlers.modeling import tbe
 from handlers.modeling.eager import PlainInputs
-from handlers.runtime.artifacts import aoti_weights_file
+from handlers.runtime.archive_files import aoti_weights_file
 from handlers.runtime.batching import Batch, plain_arguments
 from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds
 from handlers.runtime.quiet import quieter
@@ -93,7 +93,7 @@ def compile_aoti(program: torch.export.ExportedProgram, path: Path) -> Path:
     copied out of the package's shared library. Every parameter stays a constant, so that a dense
     swap reaches all of them."""
     parameters = _parameter_constants(program)
-    with quieter("torch.fx._symbolic_trace", warning_messages=_PYTREE_DEPRECATION), _kept_as_constants(parameters):
+    with quieter("torch.fx._symbolic_trace", warning_messages=_PYTREE_DEPRECATION), kept_as_constants(parameters):
         package = Path(
             torch._inductor.aoti_compile_and_package(
                 program,
@@ -118,27 +118,6 @@ def compile_aoti(program: torch.export.ExportedProgram, path: Path) -> Path:
         raise RuntimeError(f"{package}: parameters compiled in as literals, out of reach of a dense swap: {inlined}")
     torch.save(weights, aoti_weights_file(package))
     return package
-
-
-@contextlib.contextmanager
-def _kept_as_constants(names: set[str]) -> Iterator[None]:
-    """Inductor compiles a tensor attribute of at most 8 elements (the last layer's bias) into the
-    code as a literal. Its switch against that (``always_keep_tensor_constants``) also keeps small
-    anonymous constants whose values the package does not give back, so only the parameters
-    ``names`` are kept here, for the time of one compile."""
-    from torch._inductor.graph import GraphLowering as lowering  # imported by a compile anyway
-    get_attr = lowering.get_attr
-
-    def keeping(self, target, args, kwargs):  # type: ignore[no-untyped-def]
-        if target in names:
-            return self.add_tensor_constant(torch.fx.graph_module._get_attr(self.module, target), target)
-        return get_attr(self, target, args, kwargs)
-
-    lowering.get_attr = keeping
-    try:
-        yield
-    finally:
-        lowering.get_attr = get_attr
 
 
 def _parameter_constants(program: torch.export.ExportedProgram) -> set[str]:

@@ -17,9 +17,7 @@ it calls, nothing of the code that built it.
 from __future__ import annotations
 
 import enum
-import shutil
-import tempfile
-import zipfile
+import threading
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -63,13 +61,15 @@ class Artifact(str, enum.Enum):
 
 
 class CompiledPackage:
-    """An AOTInductor package's model container, its constants (the weights) mapped from the file
-    beside it and used in place (user-managed): the tables cost page cache shared by every worker,
-    so they must live as long as the container does.
+    """An AOTInductor package, loaded through torch's public loader (``aoti_load_package``), its
+    constants (the weights) mapped from the file beside it and used in place (user-managed): the
+    tables cost page cache shared by every worker, so they must live as long as the package does.
 
-    ``swap`` is how dense weights change while it serves: the container's inactive constant buffer
-    is filled (the active constants, some replaced), then made active; AOTInductor switches
-    between runs, so a run sees either set whole, never a mix, and nothing is recompiled.
+    ``swap`` is how dense weights change while it serves: the active constants, some replaced,
+    are loaded whole (pointers, no copy) between two runs. torch 2.13's loader offers no swap of
+    an inactive buffer (the container's ``swap_constant_buffer`` is reachable only through its
+    private runner), and it rewrites the active buffer without the container's run lock; so runs
+    and swaps hold a lock of ours, and a run sees either set whole, never a mix.
 
         package = CompiledPackage(Path("model_aoti.pt2"))     # weights: model_aoti_weights.pt
         logits = package(dense, values, lengths)
@@ -77,46 +77,39 @@ class CompiledPackage:
     """
 
     def __init__(self, path: Path, weights: Path | None = None) -> None:
-        self.runner = _container(path)
-        self._internal = {fqn: name for name, fqn in self.runner.get_constant_names_to_original_fqns().items()}
+        # Imported here, by workers that serve a package only: torch._inductor costs 0.7 s to import.
+        from torch._inductor import aoti_load_package
+
+        # The loader unpacks the package (TorchRec's TBE objects beside its library) for its life.
+        self.model = aoti_load_package(str(path))
+        self._lock = threading.Lock()
+        names = set(self.model.loader.get_constant_fqns())
         self.original = torch.load(weights or aoti_weights_file(path), mmap=True, weights_only=True)
-        missing = sorted(set(self._internal) - set(self.original))
+        missing = sorted(names - set(self.original))
         if missing:
             raise ValueError(f"{path}: its weights file lacks constants {missing}")
-        self.active = {name: self.original[name] for name in self._internal}
-        self.runner.update_constant_buffer(self._by_internal(self.active), False, True, True)
+        self.active = {name: self.original[name] for name in names}
+        self._load(self.active)
 
     def __call__(self, *arguments: torch.Tensor) -> torch.Tensor:
-        (output,) = self.runner.run(list(arguments))
+        with self._lock:
+            (output,) = self.model.loader.run(list(arguments))
         return output
 
     def swap(self, changed: Mapping[str, torch.Tensor]) -> None:
-        """Makes the active constants, with ``changed`` replaced, the ones the next run uses;
-        the previous set is released once the swap is done (one extra copy, during it)."""
-        unknown = sorted(set(changed) - set(self._internal))
+        """Makes the active constants, with ``changed`` replaced, the ones the next run uses; the
+        tensors are used in place (``self.active`` keeps them alive)."""
+        unknown = sorted(set(changed) - set(self.active))
         if unknown:
             raise KeyError(f"no such constants in the package: {unknown}")
         constants = {**self.active, **changed}
-        self.runner.update_constant_buffer(self._by_internal(constants), True, True, True)
-        self.runner.swap_constant_buffer()
-        self.runner.free_inactive_constant_buffer()
-        self.active = constants
+        with self._lock:
+            self._load(constants)
+            self.active = constants
 
-    def _by_internal(self, constants: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self._internal[fqn]: tensor for fqn, tensor in constants.items()}
-
-
-def _container(package: Path) -> "torch._C._aoti.AOTIModelContainerRunnerCpu":
-    """The package's compiled model, loaded from a private unpacked copy that is deleted once
-    loaded. Its custom objects (TorchRec's TBE script objects) must lie beside the library."""
-    with tempfile.TemporaryDirectory(prefix="aoti-") as folder, zipfile.ZipFile(package) as archive:
-        archive.extractall(folder)
-        libraries = sorted(Path(folder).glob("*/data/aotinductor/model/*.so"))
-        if len(libraries) != 1:
-            raise ValueError(f"{package}: expected one compiled model, found {len(libraries)}")
-        for custom_object in Path(folder).glob("*/data/constants/custom_obj_*"):
-            shutil.copy(custom_object, libraries[0].parent)
-        return torch._C._aoti.AOTIModelContainerRunnerCpu(str(libraries[0]), 1)
+    def _load(self, constants: Mapping[str, torch.Tensor]) -> None:
+        """Every constant, into the active buffer, user-managed (kept, not copied)."""
+        self.model.loader.load_constants(dict(constants), False, True, True)
 
 
 class GraphModel:

@@ -1,0 +1,68 @@
+"""What the project relies on in torch beyond its documented API (``archive_tools.torch_internals``)
+and in its AOTInductor loader (``handlers.runtime.artifacts.CompiledPackage``). Each test names
+the assumption it checks, so a torch upgrade that breaks one fails here by name."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from archive_tools.export import compile_aoti
+from archive_tools.torch_internals import kept_as_constants
+from handlers.runtime.archive_files import aoti_weights_file
+from handlers.runtime.artifacts import CompiledPackage
+
+
+class _SmallBias(torch.nn.Module):
+    """A layer whose 1-element bias Inductor would inline as a literal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def test_inductor_lowers_attributes_through_get_attr_and_add_tensor_constant():
+    """kept_as_constants replaces GraphLowering.get_attr(self, target, args, kwargs) and calls
+    add_tensor_constant(tensor, name) and torch.fx.graph_module._get_attr(module, target)."""
+    from torch._inductor.graph import GraphLowering
+
+    assert list(inspect.signature(GraphLowering.get_attr).parameters) == ["self", "target", "args", "kwargs"]
+    assert list(inspect.signature(GraphLowering.add_tensor_constant).parameters)[:3] == ["self", "data", "name"]
+    assert callable(torch.fx.graph_module._get_attr)
+    original = GraphLowering.get_attr
+    with kept_as_constants({"x"}):
+        assert GraphLowering.get_attr is not original
+    assert GraphLowering.get_attr is original, "the patch must be undone"
+
+
+def test_a_small_bias_stays_a_swappable_constant_of_the_package(tmp_path):
+    """The whole reason for the patch: without it this compile fails (the bias becomes a literal);
+    with it the package takes the bias from its weights file, and a swap reaches it."""
+    model = _SmallBias().eval()
+    x = torch.randn(3, 4)
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("n", min=2, max=64)},))
+    package = compile_aoti(program, tmp_path / "model_aoti.pt2")
+    loaded = CompiledPackage(package)
+    assert "linear.bias" in loaded.active and aoti_weights_file(package).is_file()
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=1e-6)
+    loaded.swap({"linear.bias": loaded.active["linear.bias"] + 1.0})
+    torch.testing.assert_close(loaded(x), model(x) + 1.0, rtol=0, atol=1e-6)
+
+
+def test_the_public_aoti_loader_takes_user_managed_constants_by_name(tmp_path):
+    """CompiledPackage uses aoti_load_package(path).loader's get_constant_fqns(), run(list) and
+    load_constants(constants, use_inactive, check_full_update, user_managed); with user_managed
+    the package reads our tensors in place (a change to one shows in the next run)."""
+    model = _SmallBias().eval()
+    x = torch.randn(2, 4)
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("n", min=2, max=64)},))
+    loaded = CompiledPackage(compile_aoti(program, tmp_path / "model_aoti.pt2"))
+    assert set(loaded.model.loader.get_constant_fqns()) == {"linear.weight", "linear.bias"}
+    before = loaded(x)
+    with torch.no_grad():
+        loaded.active["linear.bias"].add_(2.0)  # in place: not copied into the container
+    torch.testing.assert_close(loaded(x), before + 2.0, rtol=0, atol=1e-6)
