@@ -13,7 +13,9 @@ management API with drained scale-down and a locked model store, admission contr
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -42,8 +44,26 @@ def serving_sdk_jar() -> Path:
     return Path(ts.__file__).resolve().parent / "frontend" / "model-server.jar"
 
 
+def built_for() -> str:
+    """The TorchServe version the plugin's sources are written against (``Contract.java``)."""
+    contract = (SOURCES / "org" / "torchrecserve" / "plugin" / "Contract.java").read_text()
+    match = re.search(r'static final String TORCHSERVE = "([^"]+)";', contract)
+    assert match is not None, "Contract.java names the TorchServe it is built for"
+    return match.group(1)
+
+
+def installed_torchserve() -> str:
+    return importlib.metadata.version("torchserve")
+
+
 def plugin_dir() -> Path:
     """The folder for ``plugins_path``, with the jar built and current."""
+    installed = installed_torchserve()
+    if installed != built_for():
+        raise PluginBuildError(
+            f"the plugin is written for TorchServe {built_for()}, and TorchServe {installed} is installed; "
+            f"install torchserve=={built_for()}"
+        )
     jar = BUILD / JAR_NAME
     digest = _digest()
     stamp = BUILD / f"{JAR_NAME}.sha256"

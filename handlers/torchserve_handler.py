@@ -12,8 +12,8 @@ a smaller one on one (``HandlerOptions.threads_for``).
 
 ``GET /models/NAME?customized=true`` (management API) answers with what each worker runs: its pid,
 artifact, device, load time, and whether TorchRec or TorchAO were imported. The plugin's freshness
-calls (publish checks, state, rollback: ``handlers.runtime.freshness.worker``) come the same way,
-as describe calls with a ``freshness`` header holding the call as JSON.
+calls (publish checks, state, rollback) do not come through here: they travel through the model's
+mailbox folder, answered by the freshness thread (``handlers.runtime.freshness.protocol``).
 
 Garbage collection: once the model is loaded, every object then alive (hundreds of thousands:
 torch, the model, TorchServe) is frozen out of the collector's reach (``gc.freeze``). Without it a
@@ -95,9 +95,6 @@ class DLRMHandler:
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[bytes]:
         assert self.service is not None, "initialize() was not called"
         if context.get_request_header(0, "describe") == "True":  # GET /models/NAME?customized=true
-            call = context.get_request_header(0, "freshness")  # the plugin's freshness calls
-            if call is not None:
-                return [orjson.dumps(self._freshness_call(call))]
             self.metrics.flush(context)  # type: ignore[union-attr]  # so that a scrape now is exact
             return [orjson.dumps(self.description)]
         payloads = [_payload(row, context, index) for index, row in enumerate(data)]
@@ -110,17 +107,6 @@ class DLRMHandler:
             for name, value in response.headers.items():
                 context.set_response_header(index, name, value)
         return [r.body for r in handled.responses]
-
-
-    def _freshness_call(self, call: str) -> dict[str, Any]:
-        if not isinstance(self.freshness, WorkerFreshness):
-            return {"status": 409, "type": "Conflict", "message": self.freshness or "no freshness"}
-        try:
-            parsed = orjson.loads(call)
-        except orjson.JSONDecodeError as e:
-            return {"status": 400, "type": "BadRequest", "message": f"freshness call: {e}"}
-        answer = self.freshness.command(parsed)
-        return {**answer, "pid": os.getpid()}
 
 
 def _payload(row: dict[str, Any], context: Any, index: int) -> Arrival:

@@ -13,6 +13,8 @@ benchmarks and (checked by a test) the Java plugin take them from.
     <part>_aoti.pt2          an AOTInductor package, its weights in ``<part>_aoti_weights.pt``
     handlers/                this package; ``torchserve_handler.py`` is TorchServe's entry point
     freshness-log.json       put in a registered model's folder by the plugin: its delta log
+    freshness-calls/         the plugin's freshness calls to the model's workers, and their
+                             replies (``handlers.runtime.freshness.protocol``)
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ WEIGHTS = "weights.pt"
 HANDLERS = "handlers"
 HANDLER = "torchserve_handler.py"
 LOG_POINTER = "freshness-log.json"
+MAILBOX = "freshness-calls"
+REFUSED = "refused.json"  # in the mailbox: why the model's archive takes no deltas
 
 # The parts a captured graph may hold: the whole model, or a split's two halves.
 PARTS = ("model", "sparse", "dense")

@@ -63,6 +63,13 @@ class UnsupportedMediaType(BadRequest):
         super().__init__(field, problem, "unsupported_media")
 
 
+class Conflict(ServingError):
+    """The call is sound but the model's state refuses it now (a rollback under way, an archive
+    that takes no deltas): 409, saying why."""
+
+    status = 409
+
+
 class InternalError(ServingError):
     """The model failed on input that passed validation: 500, logged with its traceback."""
 

@@ -64,6 +64,23 @@ def _until(condition, timeout_s: float) -> float:
     return time.perf_counter() - started
 
 
+@pytest.mark.parametrize("header", ["describe", "Describe"])
+def test_an_inference_request_cannot_pass_for_a_management_describe_call(server, header):
+    """The handler answers a batch led by a describe call with its description: from a client
+    that would fail the whole batch. Such a request is refused alone; the others score."""
+    import json
+
+    body = json.dumps(ONE)
+    with ThreadPoolExecutor(4) as pool:
+        plain = [pool.submit(server.predict, "tiny", ONE) for _ in range(3)]
+        spoofed = server.call("inference", "POST", f"{server.inference_url}/predictions/tiny", data=body,
+                              headers={"Content-Type": "application/json", header: "True"}, timeout=30)
+    assert spoofed.status_code == 400, spoofed.text
+    assert "describe: a header of the management API's calls" in spoofed.json()["message"]
+    assert [f.result().status_code for f in plain] == [200, 200, 200]
+    assert "scores" in plain[0].result().json()
+
+
 @pytest.mark.parametrize(
     "url", ["/abs/path/tiny.mar", "file:///tmp/tiny.mar", "https://example.invalid/model.mar", "../tiny.mar", "a/tiny.mar"]
 )

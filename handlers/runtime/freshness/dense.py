@@ -10,16 +10,25 @@ program cannot: ``dense_slot`` says why.
     slot = dense_slot(runner)                    # or a str: why this runner cannot swap
     check_dense(header.dense, slot.dense_shapes())
     slot.swap_dense(delta.dense())               # None: back to the archive's own weights
+    DenseFollower(slot, layout, folder).sync(log) # what the applied tables go with, once per worker
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import time
+from pathlib import Path
 from typing import Mapping, Protocol, runtime_checkable
 
 import torch
 
-from handlers.runtime.freshness.delta_file import DenseShapes
+from handlers.runtime.freshness.applier import AppliedState
+from handlers.runtime.freshness.delta_file import DenseShapes, read_delta, read_header
+from handlers.runtime.freshness.layout import TablesLayout
+from handlers.runtime.freshness.log import log_entries
+
+logger = logging.getLogger(__name__)
 
 # The table buffers among a compiled package's constants: the TBEs' own, never swapped.
 _TABLE_CONSTANT = re.compile(r"\.tbes\.\d+\.")
@@ -45,3 +54,43 @@ def dense_slot(runner: object) -> DenseSlot | str:
 
 def is_table_constant(name: str) -> bool:
     return _TABLE_CONSTANT.search(name) is not None
+
+
+class DenseFollower:
+    """Keeps one worker serving the dense weights that go with the applied tables: those of the
+    newest applied delta that has a dense section, or the archive's own."""
+
+    def __init__(self, slot: DenseSlot, layout: TablesLayout, folder: Path) -> None:
+        self.slot = slot
+        self.layout = layout
+        self.folder = folder  # the working copy's state: the applied sequence
+        self.sequence = 0  # the delta whose dense weights this worker serves (0: the archive's)
+        self.swap_s: float | None = None
+        self._file: tuple[int, int] | None = None  # that delta's file (a rolled-back one may be replaced)
+        self._has_dense: dict[tuple[int, int], bool] = {}  # the log's deltas (by file): which have dense weights
+
+    def sync(self, log: Path) -> bool:
+        """Swaps in the weights this worker should serve; whether it swapped."""
+        applied = AppliedState.read(self.folder).sequence
+        entries = log_entries(log)
+        wanted = max((s for s, path in entries.items() if s <= applied and self._dense_in(path)), default=0)
+        source = _identity(entries[wanted]) if wanted else None
+        if source == self._file:
+            return False
+        started = time.perf_counter()
+        self.slot.swap_dense(read_delta(entries[wanted], self.layout).dense() if wanted else None)
+        self.swap_s = time.perf_counter() - started
+        self.sequence, self._file = wanted, source
+        logger.info("serving the dense weights of delta %d (swapped in %.3fs)", wanted, self.swap_s)
+        return True
+
+    def _dense_in(self, path: Path) -> bool:
+        key = _identity(path)
+        if key not in self._has_dense:
+            self._has_dense[key] = read_header(path).dense is not None
+        return self._has_dense[key]
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    status = path.stat()
+    return status.st_ino, status.st_mtime_ns

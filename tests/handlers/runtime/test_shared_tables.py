@@ -12,8 +12,10 @@ import signal
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 
+from handlers.runtime.archive_files import LOG_POINTER, MAILBOX, REFUSED
 from handlers.runtime.freshness import shared_tables
 from handlers.runtime.freshness.applier import STATE_FILE
 from handlers.runtime.freshness.shared_tables import (
@@ -195,7 +197,7 @@ def test_a_worker_with_no_room_for_a_copy_serves_without_deltas_and_says_why(tin
     factory = DLRMFactory(tiny_spec)
     factory.save_weights(tiny_weights, tmp_path / "weights.pt")
     factory.tables_layout(tmp_path / "weights.pt").save(tmp_path)
-    (tmp_path / worker.LOG_POINTER).write_text("{}")  # registered through the plugin
+    (tmp_path / LOG_POINTER).write_text("{}")  # registered through the plugin
 
     def no_room(*_args, **_kwargs):
         raise OSError(28, "No space left on device")
@@ -206,3 +208,5 @@ def test_a_worker_with_no_room_for_a_copy_serves_without_deltas_and_says_why(tin
         "no working copy of the tables could be made ([Errno 28] No space left on device); "
         "free memory or set freshness.tables_dir"
     )
+    # the plugin's calls are answered with it (409), by the mailbox's refusal
+    assert orjson.loads((tmp_path / MAILBOX / REFUSED).read_bytes()) == {"message": reason}

@@ -75,6 +75,11 @@ final class AdmissionQueue extends LinkedBlockingDeque<Job> {
         if (!Internals.isInference(job.getCmd())) {
             return super.offer(job);
         }
+        if (job.getPayload().getHeaders().keySet().stream().anyMatch(DescribeJob.DESCRIBE_HEADER::equalsIgnoreCase)) {
+            // the handler would answer it as a management describe call, for the whole batch
+            refuse(job, 400, "describe: a header of the management API's calls, refused on inference requests");
+            return true;
+        }
         String unavailable = closedReason;
         if (unavailable == null && unavailableReason != null) { // the Guard's last look; look again
             unavailable = unavailableReason = Guard.get().unavailable(model, this);
@@ -130,7 +135,7 @@ final class AdmissionQueue extends LinkedBlockingDeque<Job> {
     @Override
     public Job poll(long timeout, TimeUnit unit) throws InterruptedException {
         Thread worker = Thread.currentThread();
-        boolean batchStart = timeout == Long.MAX_VALUE; // Model.pollBatch's first take
+        boolean batchStart = Internals.isBatchStart(timeout); // Model.pollBatch's first take
         if (batchStart) {
             Batch previous = batches.get(worker);
             if (previous != null && previous.requests > 0 && !isEmpty()) {
@@ -236,15 +241,20 @@ final class AdmissionQueue extends LinkedBlockingDeque<Job> {
 
     /** A 503 with our message: a JSON body with Retry-After on REST, UNAVAILABLE on gRPC. */
     static void refuse(Job job, String message) {
+        refuse(job, 503, message);
+    }
+
+    /** {@code status} (400 or 503) with our message, as JSON on REST. */
+    static void refuse(Job job, int status, String message) {
         if (job instanceof RestJob && job.getCmd() == WorkerCommands.PREDICT) {
             Map<String, Object> body = new LinkedHashMap<>();
-            body.put("code", 503);
-            body.put("type", "ServiceUnavailable");
+            body.put("code", status);
+            body.put("type", status == 503 ? "ServiceUnavailable" : "BadRequest");
             body.put("message", message);
             byte[] json = Replies.COMPACT.toJson(body).getBytes(StandardCharsets.UTF_8);
-            job.response(json, "application/json", 503, null, Map.of("Retry-After", "1"));
+            job.response(json, "application/json", status, null, status == 503 ? Map.of("Retry-After", "1") : Map.of());
         } else {
-            job.sendError(503, message);
+            job.sendError(status, message);
         }
     }
 }

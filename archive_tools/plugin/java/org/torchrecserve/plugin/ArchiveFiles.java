@@ -9,6 +9,8 @@ final class ArchiveFiles {
     static final String MODEL_CONFIG = "model-config.yaml";
     static final String TABLES = "tables.json";
     static final String LOG_POINTER = "freshness-log.json";
+    static final String MAILBOX = "freshness-calls";
+    static final String REFUSED = "refused.json";
 
     private ArchiveFiles() {}
 }

@@ -22,23 +22,18 @@ import org.pytorch.serve.wlm.ModelManager;
  * comes back to its loop, where it sees that it was asked to stop (see {@link Drain}).
  */
 final class DescribeJob extends Job {
+    /** The header that makes a worker's handler answer with its description, not scores. */
+    static final String DESCRIBE_HEADER = "describe";
+
     final CompletableFuture<byte[]> answer = new CompletableFuture<>();
 
     DescribeJob(String modelName, String version) {
-        this(modelName, version, null);
+        super(modelName, version, WorkerCommands.DESCRIBE, describeInput());
     }
 
-    /** With {@code freshness}: one of the handler's freshness calls (JSON), answered in JSON. */
-    DescribeJob(String modelName, String version, String freshness) {
-        super(modelName, version, WorkerCommands.DESCRIBE, describeInput(freshness));
-    }
-
-    private static RequestInput describeInput(String freshness) {
+    private static RequestInput describeInput() {
         RequestInput input = new RequestInput(UUID.randomUUID().toString());
-        input.updateHeaders("describe", "True"); // as TorchServe's own ?customized=true does
-        if (freshness != null) {
-            input.updateHeaders("freshness", freshness);
-        }
+        input.updateHeaders(DESCRIBE_HEADER, "True"); // as TorchServe's own ?customized=true does
         return input;
     }
 

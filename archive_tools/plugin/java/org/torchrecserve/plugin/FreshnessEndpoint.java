@@ -3,11 +3,9 @@ package org.torchrecserve.plugin;
 import com.google.gson.JsonArray;
 import com.google.gson.JsonElement;
 import com.google.gson.JsonObject;
-import com.google.gson.JsonParser;
 import io.netty.handler.codec.http.QueryStringDecoder;
 import java.io.File;
 import java.io.IOException;
-import java.nio.charset.StandardCharsets;
 import java.util.HashMap;
 import java.util.LinkedHashMap;
 import java.util.Map;
@@ -33,7 +31,8 @@ import org.pytorch.serve.wlm.WorkerThread;
  * <ul>
  *   <li>{@code POST /freshness/NAME[/VERSION]?delta=FILE}: {@code FILE} names a delta file directly
  *       inside the model store's {@code deltas} folder (bodies are not read: TorchServe 0.12 may
- *       release a plugin request's body before the plugin runs). A worker checks it whole (base
+ *       release a plugin request's body before the plugin runs). A worker checks it whole, asked
+ *       through the freshness protocol ({@link FreshnessCalls}) (base
  *       archive, next sequence, tables, dtypes, dims, ids, checksums); then it is copied into the
  *       model's delta log and flushed to disk, and only then answered 200. The workers apply it
  *       from the log at the model's pace (and swap in its dense weights, if it has some). Publishing the same delta again is answered as before,
@@ -57,6 +56,10 @@ import org.pytorch.serve.wlm.WorkerThread;
 public final class FreshnessEndpoint extends ModelServerEndpoint {
     private static final Pattern FILE_NAME = Pattern.compile("[A-Za-z0-9][A-Za-z0-9_.-]*");
     private final Map<String, Object> publishing = new ConcurrentHashMap<>();
+
+    public FreshnessEndpoint() {
+        Contract.require();
+    }
 
     @Override
     public void doGet(Request req, Response rsp, Context ctx) throws IOException {
@@ -93,7 +96,7 @@ public final class FreshnessEndpoint extends ModelServerEndpoint {
             }
             String rollbackTo = ModelsEndpoint.param(query, "rollback_to", null);
             if (publish && rollbackTo != null) {
-                rollback(model, log, rollbackTo, rsp);
+                rollback(model, rollbackTo, rsp);
             } else if (publish) {
                 publish(model, log, ModelsEndpoint.param(query, "delta", null), rsp);
             } else {
@@ -117,21 +120,13 @@ public final class FreshnessEndpoint extends ModelServerEndpoint {
             throw new ModelNotFoundException("delta: no '" + name + "' in " + Freshness.deltasDir());
         }
         synchronized (publishing.computeIfAbsent(Guard.label(model), k -> new Object())) {
-            Map<String, Object> call = new LinkedHashMap<>();
-            call.put("op", "check");
-            call.put("delta", delta.getPath());
-            call.put("log", log.getPath());
-            JsonObject checked = ask(model, call);
-            int status = checked.get("status").getAsInt();
-            if (status != 200) {
-                checked.remove("status");
-                checked.remove("pid");
-                checked.addProperty("code", status);
-                Replies.json(rsp, status, Replies.GSON.toJson(checked));
+            FreshnessCalls.Answer checked = FreshnessCalls.check(model, delta);
+            if (checked.status() != 200) {
+                Replies.json(rsp, checked.status(), Replies.GSON.toJson(checked.body()));
                 return;
             }
-            long sequence = checked.get("sequence").getAsLong();
-            boolean duplicate = checked.get("duplicate").getAsBoolean();
+            long sequence = checked.body().get("sequence").getAsLong();
+            boolean duplicate = checked.body().get("duplicate").getAsBoolean();
             if (!duplicate) {
                 Freshness.append(delta, log, sequence);
             }
@@ -139,14 +134,14 @@ public final class FreshnessEndpoint extends ModelServerEndpoint {
             answer.put("model", model.getModelName());
             answer.put("version", model.getVersion());
             answer.put("sequence", sequence);
-            answer.put("rows", checked.get("rows").getAsLong());
+            answer.put("rows", checked.body().get("rows").getAsLong());
             answer.put("duplicate", duplicate);
             answer.put("log", log.getPath());
             Replies.json(rsp, 200, Replies.GSON.toJson(answer));
         }
     }
 
-    private void rollback(Model model, File log, String to, Response rsp) throws Exception {
+    private void rollback(Model model, String to, Response rsp) throws Exception {
         long sequence;
         try {
             sequence = Long.parseLong(to);
@@ -154,29 +149,18 @@ public final class FreshnessEndpoint extends ModelServerEndpoint {
             throw new BadRequestException("rollback_to: must be a sequence number, got '" + to + "'");
         }
         synchronized (publishing.computeIfAbsent(Guard.label(model), k -> new Object())) {
-            Map<String, Object> call = new LinkedHashMap<>();
-            call.put("op", "rollback");
-            call.put("to", sequence);
-            call.put("log", log.getPath());
-            JsonObject answer = ask(model, call);
-            int status = answer.get("status").getAsInt();
-            answer.remove("status");
-            answer.remove("pid");
-            if (status != 200) {
-                answer.addProperty("code", status);
-            }
-            Replies.json(rsp, status, Replies.GSON.toJson(answer));
+            FreshnessCalls.Answer answer = FreshnessCalls.rollback(model, sequence);
+            Replies.json(rsp, answer.status(), Replies.GSON.toJson(answer.body()));
         }
     }
 
     private void state(Model model, File log, Response rsp) throws Exception {
-        JsonObject state = ask(model, Map.of("op", "state"));
-        if (state.get("status").getAsInt() != 200) {
-            Replies.json(rsp, state.get("status").getAsInt(), Replies.GSON.toJson(state));
+        FreshnessCalls.Answer asked = FreshnessCalls.state(model);
+        if (asked.status() != 200) {
+            Replies.json(rsp, asked.status(), Replies.GSON.toJson(asked.body()));
             return;
         }
-        state.remove("status");
-        state.remove("pid");
+        JsonObject state = asked.body();
         Map<Long, JsonObject> notes = new HashMap<>(); // what each worker serves, by pid
         JsonElement noted = state.remove("workers");
         if (noted != null && noted.isJsonArray()) {
@@ -206,12 +190,5 @@ public final class FreshnessEndpoint extends ModelServerEndpoint {
         }
         answer.add("workers", workers);
         Replies.json(rsp, 200, Replies.GSON.toJson(answer));
-    }
-
-    /** A freshness call answered by one of the model's workers. */
-    private static JsonObject ask(Model model, Map<String, Object> call) throws Exception {
-        String json = Replies.COMPACT.toJson(call);
-        byte[] answer = new DescribeJob(model.getModelName(), model.getVersion(), json).call(model);
-        return JsonParser.parseString(new String(answer, StandardCharsets.UTF_8)).getAsJsonObject();
     }
 }

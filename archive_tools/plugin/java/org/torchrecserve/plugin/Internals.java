@@ -17,7 +17,8 @@ import org.pytorch.serve.wlm.WorkerThread;
 
 /**
  * The TorchServe 0.12 internals this plugin reads and steers, all in one place, each looked up
- * once when the plugin loads (a TorchServe without them fails the plugin's load, loudly).
+ * when the plugin loads ({@link Contract#require}: a TorchServe without them stops at start, naming
+ * the one missing). TorchServe offers no public way to do any of this.
  *
  * <ul>
  *   <li>{@code Model.jobsDb}: the model's queues; its data queue is replaced by an {@link
@@ -26,6 +27,9 @@ import org.pytorch.serve.wlm.WorkerThread;
  *   <li>{@code WorkerThread.aggregator.jobs}: the jobs of that batch, by request id.
  *   <li>{@code WorkerThread.running}: cleared so that a worker leaves after its current batch.
  *   <li>{@code WorkerThread.currentThread}: null once the worker's thread has ended.
+ *   <li>{@code Model.pollBatch} takes a batch's first job with {@code poll(Long.MAX_VALUE, ms)} and
+ *       the rest with {@code poll(maxBatchDelay)}: the only sign that a batch starts ({@link
+ *       #isBatchStart}; pinned by a test that reads the compiled {@code Model.pollBatch}).
  * </ul>
  */
 final class Internals {
@@ -36,15 +40,26 @@ final class Internals {
     private static final Field WORKER_THREAD = field(WorkerThread.class, "currentThread");
     private static final Field AGGREGATOR_JOBS = field(BatchAggregator.class, "jobs");
 
+    /** {@code Model.DEFAULT_DATA_QUEUE}, a constant compiled into this plugin. */
+    static final String DATA_QUEUE = Model.DEFAULT_DATA_QUEUE;
+
     private Internals() {}
+
+    /** Loads this class: its fields are looked up, and a missing one fails here, by name. */
+    static void check() {}
+
+    /** Whether a poll of the data queue is a worker's first take of a new batch. */
+    static boolean isBatchStart(long timeout) {
+        return timeout == Long.MAX_VALUE;
+    }
 
     /** The model's data queue: every inference request waits there for a worker. */
     static LinkedBlockingDeque<Job> dataQueue(Model model) {
-        return queues(model).get(Model.DEFAULT_DATA_QUEUE);
+        return queues(model).get(DATA_QUEUE);
     }
 
     static void setDataQueue(Model model, LinkedBlockingDeque<Job> queue) {
-        queues(model).put(Model.DEFAULT_DATA_QUEUE, queue);
+        queues(model).put(DATA_QUEUE, queue);
     }
 
     /** The inference batch the worker is running, or null (idle, loading, or describing). */

@@ -69,6 +69,7 @@ public final class ModelsEndpoint extends ModelServerEndpoint {
     private final Map<String, Object> modelLocks = new ConcurrentHashMap<>();
 
     public ModelsEndpoint() {
+        Contract.require();
         Guard.get();
     }
 

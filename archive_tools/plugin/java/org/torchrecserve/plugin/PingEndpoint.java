@@ -24,6 +24,7 @@ import org.pytorch.serve.servingsdk.http.Response;
         description = "health: every model's workers ready and answering")
 public final class PingEndpoint extends ModelServerEndpoint {
     public PingEndpoint() {
+        Contract.require();
         Guard.get();
     }
 
