@@ -13,10 +13,50 @@ from handlers.modeling.registry import input_schema, synthetic_request
 from handlers.modeling.spec import ModelSpec, ShardingSpec, ShardingType
 from handlers.runtime.batching import Batch, coalesce
 from handlers.runtime.freshness.applier import file_offset
+from handlers.runtime.inputs import OutOfRangePolicy
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.decoder import RequestDecoder
+from torchrec import KeyedJaggedTensor  # isort: skip
 
 items_request = synthetic_request  # (spec, num_items, seed, max_bag=3, return_logits=False)
+
+# How far served scores may lie from the float model's: the build's own bound (Bounds), which
+# per-table int8/int4/fp16 quantization keeps within.
+QUANTIZATION_TOLERANCE = 0.02
+
+
+def float_scores(model: torch.nn.Module, spec: ModelSpec, request: dict) -> torch.Tensor:
+    """The float TorchRec model's click probabilities for one JSON request of items, its inputs
+    made here from the request with TorchRec's own ``KeyedJaggedTensor`` rather than by the
+    serving decoder and coalescer: the independent reference that served scores are held to."""
+    items = request["items"]
+    schema = input_schema(spec)
+    values: list[int] = []
+    weights: list[float] = []
+    lengths: list[int] = []
+    for feature in schema.features:
+        for item in items:
+            bag = item.get("sparse", {}).get(feature.name, [])
+            ids, bag_weights = (bag["ids"], bag["weights"]) if isinstance(bag, dict) else (bag, [1.0] * len(bag))
+            if schema.out_of_range == OutOfRangePolicy.HASH:
+                ids = [i % feature.rows for i in ids]
+            values += ids
+            weights += bag_weights
+            lengths.append(len(ids))
+    ids = KeyedJaggedTensor(
+        keys=list(schema.feature_names),
+        values=torch.tensor(values, dtype=torch.int64),
+        lengths=torch.tensor(lengths, dtype=torch.int64),
+        weights=torch.tensor(weights, dtype=torch.float32) if schema.weighted_ids else None,
+    )
+    dense = torch.tensor([item["dense"] for item in items], dtype=torch.float32)
+    with torch.inference_mode():
+        if "context" in request:
+            context = torch.tensor([request["context"]], dtype=torch.float32)
+            logits = model(dense, ids, context, torch.tensor([len(items)]))
+        else:
+            logits = model(dense, ids)
+    return torch.sigmoid(logits.reshape(-1))
 
 
 def with_tables(spec: ModelSpec, **changes) -> ModelSpec:

@@ -16,7 +16,7 @@ from archive_tools.validation_data import ValidationDataError, read_validation
 from archive_tools.verification import auc, log_loss, normalized_entropy
 from handlers.modeling.factory import DLRMFactory
 from tests.conftest import TINY_SPEC
-from tests.helpers import items_request
+from tests.helpers import float_scores, items_request
 
 
 def test_auc_and_normalized_entropy_on_known_cases():
@@ -58,7 +58,15 @@ def test_labelled_validation_file_is_used(tmp_path, tiny_spec):
     archive = _build(tmp_path, validation=path)
     report = orjson.loads((archive.parent / "tiny.verification.json").read_bytes())
     assert report["source"] == f"file {path}" and report["items"] == 40
-    assert report["reference"]["auc"] is not None
+    # the reference's AUC on these labels, counted here pair by pair from the float model's scores
+    model = DLRMFactory(tiny_spec).float_model(seed=0)
+    scored = [(float(p), label) for k in range(8) for p, label in
+              zip(float_scores(model, tiny_spec, items_request(tiny_spec, 5, seed=k)), [k % 2, 1, 0, 1, 0])]
+    positives = [p for p, label in scored if label == 1]
+    negatives = [p for p, label in scored if label == 0]
+    wins = sum((p > n) + 0.5 * (p == n) for p in positives for n in negatives)
+    assert report["reference"]["auc"] == pytest.approx(wins / (len(positives) * len(negatives)), abs=1e-6)
+    assert report["reference"]["auc"] - report["served"]["auc"] <= Bounds().max_auc_drop  # the gate's own bound
 
 
 def test_gate_refuses_a_broken_transformation(tmp_path, monkeypatch):
@@ -188,4 +196,6 @@ def test_a_criteo_tsv_verifies_a_criteo_shaped_archive(tmp_path):
         model_store=tmp_path / "model_store", serving=ServingConfig(), validation=tmp_path / "eval.tsv",
     )
     report = orjson.loads((archive.parent / "criteo_small.verification.json").read_bytes())
-    assert report["items"] == 200 and report["requests"] == 4 and report["served"]["auc"] is not None
+    assert report["items"] == 200 and report["requests"] == 4
+    assert 0.0 <= report["served"]["auc"] <= 1.0 and report["passed"]
+    assert report["reference"]["auc"] - report["served"]["auc"] <= Bounds().max_auc_drop

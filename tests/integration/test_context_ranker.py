@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from archive_tools.build import build_archive
 from archive_tools.model_config import ServingConfig
@@ -17,7 +18,7 @@ from archive_tools.local_server import LocalTorchServe
 from handlers.runtime.service import ScoringService
 from tests.conftest import RANKER_SPEC
 from tests.handlers.runtime.test_decode import RANKER_BAD_REQUESTS
-from tests.helpers import archive_service, items_request
+from tests.helpers import QUANTIZATION_TOLERANCE, archive_service, float_scores, items_request
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +56,9 @@ def _solo(reference: ScoringService, request: dict) -> list[float]:
     return json.loads(reference.handle([json.dumps(request).encode()]).responses[0].body)["scores"]
 
 
-def test_concurrent_requests_share_forwards_and_score_as_alone(server, reference, ranker_spec):
+def test_concurrent_requests_share_forwards_and_score_as_alone(server, reference, ranker_spec, ranker_float_model):
+    """Batched scores equal each request's alone, and the float TorchRec model's (inputs made
+    without the serving decoder) within the quantization tolerance."""
     requests_ = [
         items_request(ranker_spec, n_items, seed=i, max_bag=bag)
         for i, (n_items, bag) in enumerate([(1, 0), (100, 3), (7, 50), (30, 1)] * 16)
@@ -68,6 +71,8 @@ def test_concurrent_requests_share_forwards_and_score_as_alone(server, reference
     for request, response in zip(requests_, responses):
         assert response.status_code == 200, response.text
         assert response.json()["scores"] == pytest.approx(_solo(reference, request), abs=1e-6)
+        floats = float_scores(ranker_float_model, ranker_spec, request)
+        torch.testing.assert_close(torch.tensor(response.json()["scores"]), floats, atol=QUANTIZATION_TOLERANCE, rtol=0)
     assert formed.requests == len(requests_)
     assert max(formed.batches) > 1, f"TorchServe formed no batch of several requests: {formed}"
     items_per_request = sum(len(r["items"]) for r in requests_) / len(requests_)

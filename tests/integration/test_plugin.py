@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
+import torch
 
 from archive_tools.build import build_archive
 from archive_tools.model_config import ServingConfig
@@ -21,7 +22,7 @@ from benchmarks.load import BackgroundLoad, run_closed_loop
 from benchmarks.traffic import TrafficModel
 from handlers.modeling.registry import load_spec
 from tests.conftest import TINY_SPEC
-from tests.helpers import items_request
+from tests.helpers import QUANTIZATION_TOLERANCE, float_scores, items_request
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +47,17 @@ def server(store):
 
 
 @pytest.fixture(scope="module")
+def expected(tiny_spec, tiny_float_model) -> torch.Tensor:
+    """ONE's scores from the float model the archive was built from (seed 0)."""
+    return float_scores(tiny_float_model, tiny_spec, ONE)
+
+
+def _assert_scored(response: requests.Response, expected: torch.Tensor) -> None:
+    assert response.status_code == 200, response.text
+    torch.testing.assert_close(torch.tensor(response.json()["scores"]), expected, atol=QUANTIZATION_TOLERANCE, rtol=0)
+
+
+@pytest.fixture(scope="module")
 def traffic(tiny_spec):
     return TrafficModel(items_per_request=1).generate(tiny_spec, 64, seed=1)
 
@@ -65,7 +77,7 @@ def _until(condition, timeout_s: float) -> float:
 
 
 @pytest.mark.parametrize("header", ["describe", "Describe"])
-def test_an_inference_request_cannot_pass_for_a_management_describe_call(server, header):
+def test_an_inference_request_cannot_pass_for_a_management_describe_call(server, header, expected):
     """The handler answers a batch led by a describe call with its description: from a client
     that would fail the whole batch. Such a request is refused alone; the others score."""
     import json
@@ -77,8 +89,8 @@ def test_an_inference_request_cannot_pass_for_a_management_describe_call(server,
                               headers={"Content-Type": "application/json", header: "True"}, timeout=30)
     assert spoofed.status_code == 400, spoofed.text
     assert "describe: a header of the management API's calls" in spoofed.json()["message"]
-    assert [f.result().status_code for f in plain] == [200, 200, 200]
-    assert "scores" in plain[0].result().json()
+    for answer in plain:
+        _assert_scored(answer.result(), expected)
 
 
 @pytest.mark.parametrize(
@@ -101,13 +113,13 @@ def test_register_of_a_missing_archive_is_a_404_naming_it(server):
     assert response.status_code == 404 and "no 'nothing.mar' in the model store" in response.json()["message"]
 
 
-def test_a_registered_version_is_refused_with_409_leaving_nothing_behind(server, store):
+def test_a_registered_version_is_refused_with_409_leaving_nothing_behind(server, store, expected):
     before = sorted(p.name for p in store.iterdir())
     response = server.register("tiny.mar")
     assert response.status_code == 409, response.text
     assert "1.0 is already registered for model tiny" in response.json()["message"]
     assert sorted(p.name for p in store.iterdir()) == before
-    assert server.predict("tiny", ONE).status_code == 200
+    _assert_scored(server.predict("tiny", ONE), expected)
 
 
 def test_register_refuses_a_body_and_bad_numbers(server):
@@ -119,14 +131,14 @@ def test_register_refuses_a_body_and_bad_numbers(server):
     assert guard.status_code == 400 and "max_queue_wait_ms" in guard.json()["message"]
 
 
-def test_initial_workers_zero_is_honoured(server):
+def test_initial_workers_zero_is_honoured(server, expected):
     assert server.register("tiny.mar", model_name="idle", initial_workers=0).status_code == 200
     try:
         assert server.management("GET", "/models/idle").json()[0]["workers"] == []
         assert server.predict("idle", ONE).status_code == 503
         scaled = server.management("PUT", "/models/idle", params={"min_worker": 1, "synchronous": "true"})
         assert scaled.status_code == 200, scaled.text
-        assert server.predict("idle", ONE).status_code == 200
+        _assert_scored(server.predict("idle", ONE), expected)
     finally:
         server.management("DELETE", "/models/idle")
 
@@ -176,7 +188,7 @@ def test_overload_is_refused_at_once_with_retry_after(server, traffic):
         server.management("DELETE", "/models/tight")
 
 
-def test_a_hung_worker_is_answered_for_reported_and_replaced(server, tiny_spec):
+def test_a_hung_worker_is_answered_for_reported_and_replaced(server, tiny_spec, expected):
     assert server.register("tiny.mar", model_name="hangs").status_code == 200
     victim = _ready_pids(server, "hangs")[0]
     try:
@@ -192,7 +204,7 @@ def test_a_hung_worker_is_answered_for_reported_and_replaced(server, tiny_spec):
         assert detect_s < 5
         assert answer.status_code == 503 and "stopped answering" in answer.json()["message"], answer.text
         _until(lambda: _ready_pids(server, "hangs") not in ([], [victim]), timeout_s=60)
-        assert server.predict("hangs", ONE).status_code == 200
+        _assert_scored(server.predict("hangs", ONE), expected)
         ping = requests.get(f"{server.inference_url}/ping", headers=server.auth("inference"), timeout=10)
         assert ping.status_code == 200, ping.text
         assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE

@@ -25,7 +25,7 @@ from handlers.runtime.service import ScoringService
 from handlers.runtime.split import SplitPlan
 from tests.conftest import TINY_SPEC
 from tests.handlers.runtime.test_decode import BAD_REQUESTS
-from tests.helpers import archive_service, items_request
+from tests.helpers import QUANTIZATION_TOLERANCE, archive_service, float_scores, items_request
 
 pytestmark = pytest.mark.integration
 
@@ -95,7 +95,9 @@ def _expected(service: ScoringService, request: dict) -> dict:
     return json.loads(service.handle([json.dumps(request).encode()]).responses[0].body)
 
 
-def test_served_scores_equal_in_process_scores(server, reference, tiny_spec):
+def test_served_scores_equal_in_process_scores(server, reference, tiny_spec, tiny_float_model):
+    """Against the archive loaded in this process, and against the float TorchRec model it was
+    built from (inputs made without the serving decoder): within the quantization tolerance."""
     for n, seed in ((1, 1), (5, 2), (100, 3)):
         request = items_request(tiny_spec, n, seed=seed, max_bag=5, return_logits=True)
         response = server.predict("tiny", request)
@@ -103,6 +105,8 @@ def test_served_scores_equal_in_process_scores(server, reference, tiny_spec):
         assert response.headers["content-type"].startswith("application/json")
         served, expected = response.json(), _expected(reference["1.0"], request)
         assert len(served["scores"]) == n
+        floats = float_scores(tiny_float_model, tiny_spec, request)
+        torch.testing.assert_close(torch.tensor(served["scores"]), floats, atol=QUANTIZATION_TOLERANCE, rtol=0)
         assert served["scores"] == pytest.approx(expected["scores"], abs=1e-5)
         assert served["logits"] == pytest.approx(expected["logits"], abs=1e-5)
         torch.testing.assert_close(

@@ -20,7 +20,15 @@ from handlers.modeling.registry import load_spec
 from handlers.modeling.spec import WeightDtype
 from handlers.runtime.artifacts import Artifact, GraphModel
 from tests.conftest import MODELS
-from tests.helpers import archive_service, forward, items_request, model_inputs, with_tables
+from tests.helpers import (
+    QUANTIZATION_TOLERANCE,
+    archive_service,
+    float_scores,
+    forward,
+    items_request,
+    model_inputs,
+    with_tables,
+)
 
 DLRM_V2 = MODELS / "dlrm_v2.yaml"
 
@@ -104,8 +112,11 @@ def test_compiled_archive_served_by_torchserve_scores_as_in_process(spec, tmp_pa
         with ThreadPoolExecutor(max_workers=len(requests)) as pool:
             responses = list(pool.map(lambda r: server.predict("dlrm_v2", r), requests))
         formed = server.handler_counters("dlrm_v2").minus(before)
+    float_model = DLRMFactory(spec).float_model(seed=0)  # what the archive was built from
     for request, response in zip(requests, responses):
         assert response.status_code == 200, response.text
         solo = json.loads(reference.handle([json.dumps(request)]).responses[0].body)["scores"]
         assert response.json()["scores"] == pytest.approx(solo, abs=1e-6)
+        floats = float_scores(float_model, spec, request)  # inputs made without the serving decoder
+        torch.testing.assert_close(torch.tensor(response.json()["scores"]), floats, atol=QUANTIZATION_TOLERANCE, rtol=0)
     assert max(formed.batches) > 1, f"TorchServe formed no batch of several requests: {formed}"

@@ -48,16 +48,39 @@ def test_an_attached_buffer_is_what_the_kernels_read(tiny_spec, tiny_weights, tm
     assert all(m.weights_host.data_ptr() == b.data_ptr() for m, b in zip(tbe.tbes(model), weights.buffers))
 
 
-def test_bounds_check_mode_and_table_names_for_export(tiny_spec, tiny_weights):
-    """skip_bounds_checks sets FBGEMM's ``bounds_check_mode_int``; name_table_buffers turns its
-    plain tensor attributes into named, non-persistent buffers."""
-    model = DLRMFactory(tiny_spec).inference_model(tiny_weights)
-    modules = tbe.tbes(model)
-    assert all(isinstance(m.bounds_check_mode_int, int) for m in modules)
+def test_the_kernel_reads_the_bounds_check_mode_skip_bounds_checks_sets(tiny_spec, tiny_weights, tmp_path):
+    """skip_bounds_checks sets FBGEMM's ``bounds_check_mode_int``, which the lookup kernel reads:
+    by default it replaces an id past the table with row 0 (and logs); with the check skipped it
+    reads the row where the id points, here the zero padding FBGEMM leaves after the table."""
+    factory = DLRMFactory(tiny_spec)
+    factory.save_weights(tiny_weights, tmp_path / "weights.pt")
+    user = factory.tables_layout(tmp_path / "weights.pt").table("t_user")
+    following = min(t.offset for t in factory.tables_layout(tmp_path / "weights.pt").tables
+                    if t.buffer == user.buffer and t.offset > user.offset)
+    assert user.offset + (user.rows + 1) * user.row_bytes <= following, "row `rows` must lie in the padding"
+    model = factory.inference_model(tiny_weights)
+    ebc = model.sparse_arch.embedding_bag_collection
+
+    def user_embedding(user_id: int) -> torch.Tensor:
+        lengths = [int(key == "user_id") for key in tiny_spec.feature_names]
+        ids = KeyedJaggedTensor.from_lengths_sync(keys=list(tiny_spec.feature_names), values=torch.tensor([user_id]),
+                                                  lengths=torch.tensor(lengths))
+        return ebc(ids)["user_id"].clone()
+
+    row_0 = user_embedding(0)
+    assert row_0.abs().sum() > 0
+    torch.testing.assert_close(user_embedding(user.rows), row_0, rtol=0, atol=0)  # checked: set to row 0
     tbe.skip_bounds_checks(model)
+    assert all(m.bounds_check_mode_int == 3 for m in tbe.tbes(model))  # BoundsCheckMode.NONE
+    assert torch.equal(user_embedding(user.rows), torch.zeros_like(row_0))  # not checked: read as it lies
+
+
+def test_named_table_buffers_are_buffers_outside_the_state_dict(tiny_spec, tiny_weights):
+    """name_table_buffers turns a TBE's plain tensor attributes into named, non-persistent
+    buffers, which torch.export keeps under those names."""
+    model = DLRMFactory(tiny_spec).inference_model(tiny_weights)
     tbe.name_table_buffers(model)
-    for module in modules:
-        assert module.bounds_check_mode_int == 3  # BoundsCheckMode.NONE
+    for module in tbe.tbes(model):
         assert {"weights_host", "weights_placements", "weights_offsets"} <= set(
             dict(module.named_buffers(recurse=False))
         )
@@ -73,5 +96,8 @@ def test_sharding_leaves_torchrecs_device_setting_as_it_was(tiny_spec, tiny_weig
     model = DLRMFactory(spec).inference_model(weights)
     assert global_settings.get_propogate_device() == before
     assert any("Sharded" in type(m).__name__ for m in model.modules())
-    inputs = model_inputs(spec, [items_request(spec, 4, seed=1)])
-    assert torch.isfinite(forward(model, spec, inputs)).all()
+    # and scores exactly as the same tables unsharded
+    unsharded = with_tables(tiny_spec, weight_dtype=WeightDtype.INT8)
+    reference = DLRMFactory(unsharded).inference_model(DLRMFactory(unsharded).quantize(DLRMFactory(unsharded).float_model(seed=0)))
+    inputs = model_inputs(spec, [items_request(spec, 4, seed=1), items_request(spec, 3, seed=2)])
+    torch.testing.assert_close(forward(model, spec, inputs), forward(reference, unsharded, inputs), rtol=0, atol=0)

@@ -3,9 +3,11 @@ executor, score exactly as the whole eager model; each part's file holds only it
 
 from __future__ import annotations
 
+import dataclasses
 import zipfile
 from pathlib import Path
 
+import orjson
 import pytest
 import torch
 
@@ -156,6 +158,10 @@ def test_a_dense_part_for_cuda_goes_to_the_workers_gpu(tiny_spec, tiny_weights, 
     if torch.cuda.is_available():
         service = load_service(staging, options, gpu_id=0)
         assert service.model.dense.device == torch.device("cuda", 0)
+        on_cpu = load_service(staging, HandlerOptions(Artifact.SPLIT, dataclasses.replace(plan, dense_device="cpu")))
+        body = orjson.dumps(items_request(tiny_spec, 6, seed=4))
+        scores = [orjson.loads(s.handle([body]).responses[0].body)["scores"] for s in (service, on_cpu)]
+        assert scores[0] == pytest.approx(scores[1], abs=1e-5)  # the same graph, its weights on the GPU
     else:
         with pytest.raises(RuntimeError, match="assigned cuda:1, but this worker sees no such GPU"):
             load_service(staging, options, gpu_id=1)
