@@ -100,7 +100,7 @@ def run_distributed(scenario: DistributedScenario, out_dir: Path) -> dict:
     candidates = TrafficModel(items_per_request=100, candidate_features=scenario.candidate_features).generate(spec, 64, seed=2)
     one_item = TrafficModel(items_per_request=1).generate(spec, 512, seed=1)
     figures: dict = {"scenario": scenario.name, "shard_tables": {s: [t.name for t in ts] for s, ts in spec.shards.items()},
-                     "shard_table_mib": _shard_mib(spec), **_answer_kib(spec, candidates)}
+                     "shard_table_mib": _shard_mib(spec), **answer_kib(spec, candidates)}
     progress = tqdm(total=4, desc=scenario.name, unit="phase")
 
     with LocalTorchServe(model_store=store) as server:
@@ -117,7 +117,7 @@ def run_distributed(scenario: DistributedScenario, out_dir: Path) -> dict:
     with LocalLayout(layout) as running:
         dense = running.dense[0]
         distributed = _measure(dense, f"{name}-dense", candidates, scenario.duration_s)
-        figures.update(_shard_hop(running, spec, candidates, scenario.duration_s))
+        figures.update(shard_hop(running, spec, candidates, scenario.duration_s))
         figures["shard_rss_mib_by_host"] = {
             f"{shard}-{i}": worker_memory(host.process.pid).rss_mib
             for shard, hosts in running.shards.items() for i, host in enumerate(hosts)
@@ -170,7 +170,7 @@ def _shard_mib(spec: ModelSpec) -> dict[str, float]:
     return {s: sum(sizes[t.name] for t in tables) / 2**20 for s, tables in spec.shards.items()}
 
 
-def _answer_kib(spec: ModelSpec, traffic: Traffic) -> dict[str, float]:
+def answer_kib(spec: ModelSpec, traffic: Traffic) -> dict[str, float]:
     """FP32 embeddings the shards answer per request, each distinct bag once (what a dense host
     asks for) and every bag of every item, averaged over ``traffic``."""
     schema = input_schema(spec)
@@ -184,7 +184,7 @@ def _answer_kib(spec: ModelSpec, traffic: Traffic) -> dict[str, float]:
     return {"shard_answer_kib_per_request": float(np.mean(sent)), "shard_answer_kib_per_request_all_bags": float(np.mean(every))}
 
 
-def _shard_hop(layout: LocalLayout, spec: ModelSpec, traffic: Traffic, duration_s: float) -> dict:
+def shard_hop(layout: LocalLayout, spec: ModelSpec, traffic: Traffic, duration_s: float) -> dict:
     """The dense host's sparse part run from this process (the dense archive's plan, the layout's
     shards), one request at a time, and shard ``b``'s handler time per call over the same calls."""
     store = layout.layout.model_store

@@ -68,7 +68,8 @@ from tqdm import tqdm  # noqa: E402
 from archive_tools.delta import DeltaSource, make_delta  # noqa: E402
 from archive_tools.local_server import LocalTorchServe  # noqa: E402
 from benchmarks.load import BackgroundLoad, LoadResult, run_closed_loop  # noqa: E402
-from benchmarks.reliability import max_load, ok  # noqa: E402
+from benchmarks.disruptions import ok  # noqa: E402
+from benchmarks.reliability import max_load  # noqa: E402
 from benchmarks.scenarios import MODELS  # noqa: E402
 from benchmarks.stalls import MachineStalls, overlaps  # noqa: E402
 from benchmarks.traffic import TrafficModel  # noqa: E402
@@ -94,6 +95,7 @@ class FreshnessScenario:
     rounds: int  # idle, then publishing, this many times
     idle_s: float  # in all
     max_load_step_s: float
+    max_load_step: float = 0.05  # the search's step, a share of the closed loop's rate
 
 
 FRESHNESS_SCENARIOS = {
@@ -105,7 +107,8 @@ FRESHNESS_SCENARIOS = {
     "freshness-smoke": FreshnessScenario(
         "freshness-smoke", MODELS / "tiny.yaml",
         ("--archive-format", "no-archive", "--artifact", "aoti"),
-        workers=2, deltas=6, rows_per_delta=300, rolled_back=3, rounds=2, idle_s=3.0, max_load_step_s=1.5,
+        workers=2, deltas=6, rows_per_delta=300, rolled_back=3, rounds=2, idle_s=3.0, max_load_step_s=1.0,
+        max_load_step=0.25,
     ),
 }
 
@@ -143,7 +146,7 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
         url = f"{server.inference_url}/predictions/{name}"
         auth = server.auth("inference")
         run_closed_loop(url, auth, traffic, 8, 2.0, 10**6)  # warm-up
-        figures.update(max_load(url, auth, traffic, scenario.max_load_step_s))
+        figures.update(max_load(url, auth, traffic, scenario.max_load_step_s, scenario.max_load_step))
         rate = 0.5 * figures["max_load_rps"]
         figures["load_rps"] = rate
         progress = tqdm(total=len(deltas) + 2, desc=scenario.name, unit="step")

@@ -65,8 +65,8 @@ class CeilingProcess:
             initargs=(archive, traffic, threads),
         )
 
-    def items_per_s(self, workload: str, requests_per_batch: int) -> float:
-        return self._pool.submit(_ceiling_in_child, workload, requests_per_batch).result()
+    def items_per_s(self, workload: str, requests_per_batch: int, min_time_s: float = 1.0) -> float:
+        return self._pool.submit(_ceiling_in_child, workload, requests_per_batch, min_time_s).result()
 
     def close(self) -> None:
         self._pool.shutdown()
@@ -88,5 +88,5 @@ def _load_in_child(archive: Path, traffic: dict[str, Traffic], threads: int) -> 
     _child["traffic"] = traffic
 
 
-def _ceiling_in_child(workload: str, requests_per_batch: int) -> float:
-    return ceiling_items_per_s(_child["service"], _child["traffic"][workload], requests_per_batch)
+def _ceiling_in_child(workload: str, requests_per_batch: int, min_time_s: float) -> float:
+    return ceiling_items_per_s(_child["service"], _child["traffic"][workload], requests_per_batch, min_time_s)

@@ -37,34 +37,27 @@ Writes ``benchmarks/results/SCENARIO/reliability.json`` (the keys below), ``summ
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import math
-import os
-import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-import matplotlib
+import orjson
+import psutil
+import requests
+from tqdm import tqdm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import orjson  # noqa: E402
-import psutil  # noqa: E402
-import requests  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from archive_tools.local_server import LocalTorchServe  # noqa: E402
-from benchmarks.load import BackgroundLoad, LoadResult, run_closed_loop, run_open_loop  # noqa: E402
-from benchmarks.memory import model_workers  # noqa: E402
-from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS  # noqa: E402
-from benchmarks.traffic import Traffic, TrafficModel  # noqa: E402
-from handlers.modeling.registry import load_spec  # noqa: E402
+from archive_tools.local_server import LocalTorchServe
+from benchmarks.disruptions import failed, hang_worker, kill_worker, ok, overload, scale_down_trials, version_swap
+from benchmarks.fuzz import fuzz_cases
+from benchmarks.load import BackgroundLoad, LoadResult, run_closed_loop, run_open_loop
+from benchmarks.memory import model_workers
+from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS
+from benchmarks.reliability_report import plot, summary
+from benchmarks.traffic import Traffic, TrafficModel
+from handlers.modeling.registry import load_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +73,9 @@ class ReliabilityScenario:
     log_s: float
     log_rate: float  # requests/s of the log measurement (scaled to 1,000/s)
     candidate_features: tuple[str, ...]
+    load_step: float = 0.05  # the max-load search's step, a share of the closed loop's rate
+    token_lifetimes: int = 10  # how many token lifetimes the expiry phase runs for
+    skip: frozenset[str] = frozenset()  # phases left out: hang, scale_down, overload, token_expiry
 
 
 RELIABILITY_SCENARIOS = {
@@ -90,8 +86,11 @@ RELIABILITY_SCENARIOS = {
     ),
     "reliability-smoke": ReliabilityScenario(
         "reliability-smoke", MODELS / "tiny.yaml", (),
-        soak_s=8.0, phase_s=3.0, scale_trials=2, fuzz_cases=150, overload_s=4.0,
-        log_s=4.0, log_rate=200.0, candidate_features=("item_id",),
+        soak_s=4.0, phase_s=2.0, scale_trials=1, fuzz_cases=100, overload_s=2.0,
+        log_s=2.0, log_rate=200.0, candidate_features=("item_id",), load_step=0.25, token_lifetimes=4,
+        # the test suite checks these against a real TorchServe already (tests/integration:
+        # test_plugin's hung worker, scale-down and overload, test_local_server's key expiry)
+        skip=frozenset({"hang", "scale_down", "overload", "token_expiry"}),
     ),
 }
 
@@ -108,7 +107,7 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
     for version in ("1.0", "2.0"):
         _build(scenario, store / version, version)
     name = spec.name
-    figures: dict = {"scenario": scenario.name}
+    figures: dict = {"scenario": scenario.name, "skipped_phases": sorted(scenario.skip)}
     timelines: dict[str, tuple[LoadResult, float]] = {}
     phases = tqdm(total=11, desc=scenario.name, unit="phase")
 
@@ -121,78 +120,96 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
         auth = server.auth("inference")
         ok(server.register(f"{name}.mar", batch_size=32, max_batch_delay=5))
         run_closed_loop(url, auth, one_item, 8, 2.0, 10**6)  # warm-up
-        figures.update(max_load(url, auth, one_item, scenario.phase_s))
+        figures.update(max_load(url, auth, one_item, scenario.phase_s, scenario.load_step))
         max_rps = figures["max_load_rps"]
         phase("max load")
-
-        baseline = run_open_loop(url, auth, one_item, 0.5 * max_rps, scenario.phase_s)
-        figures["inference_p99_ms_baseline"] = baseline.latency_ms["p99"]
-        with BackgroundLoad(url, auth, one_item, 0.5 * max_rps) as load:
-            time.sleep(1.0)
-            ok(server.register(f"{name}.mar", model_name=f"{name}-second", initial_workers=1))
-            time.sleep(1.0)
-        figures["register_during_load_inference_p99_ms"] = load.result.latency_ms["p99"]
-        figures["register_during_load_non_200"] = _failed(load.result)
-        ok(server.management("DELETE", f"/models/{name}-second"))
+        figures.update(_register_during_load(server, name, url, auth, one_item, max_rps, scenario.phase_s))
         phase("register during load")
-
         figures.update(_soak(server, url, auth, one_item, 0.8 * max_rps, scenario.soak_s))
         phase("soak")
-
-        ok(server.management("PUT", f"/models/{name}", params={"min_worker": 2, "synchronous": "true"}))
-        kill, kill_at, kill_figures = _kill_worker(server, name, url, auth, one_item, 0.5 * max_rps, scenario.phase_s)
-        figures.update(kill_figures)
-        timelines["kill -9 one of two workers"] = (kill, kill_at)
-        phase("kill a worker")
-
-        hung, hung_at, hung_figures = _hang_worker(server, name, url, auth, one_item, 0.3 * max_rps, scenario.phase_s)
-        figures.update(hung_figures)
-        timelines["SIGSTOP one of two workers"] = (hung, hung_at)
-        phase("hang a worker")
-
-        ok(server.management("PUT", f"/models/{name}", params={"min_worker": 1, "synchronous": "true"}))
-        scale, scale_at = _scale_down_trials(server, name, url, auth, one_item, 0.3 * max_rps, scenario.scale_trials)
-        figures["scale_down_trials"] = scenario.scale_trials
-        figures["scale_down_lost_requests"] = _failed(scale) - scale.statuses.get("503", 0)
-        figures["scale_down_shed_requests"] = scale.statuses.get("503", 0)
-        figures["scale_down_statuses"] = scale.statuses
-        timelines[f"scale 1 -> 2 -> 1 workers, {scenario.scale_trials} times"] = (scale, scale_at)
-        phase("scale down")
-
+        _disruptions(server, scenario, name, one_item, max_rps, figures, timelines, phase)
         figures.update(_fuzz(server, name, one_item, scenario.fuzz_cases))
         phase("fuzz")
-
         figures.update(_logs(server, url, auth, one_item, scenario.log_rate, scenario.log_s))
         phase("logs")
-
-        figures.update(_overload(server, name, candidates, scenario.phase_s, scenario.overload_s))
+        if "overload" not in scenario.skip:
+            figures.update(overload(server, name, candidates, scenario.phase_s, scenario.overload_s))
         phase("overload")
-
         (store / "1.0" / f"{name}-v2.mar").symlink_to((store / "2.0" / f"{name}.mar").resolve())
-        swap, swap_at = _version_swap(server, name, url, auth, one_item, 0.5 * max_rps)
-        figures["version_swap_failed_requests"] = _failed(swap)
+        swap, swap_at = version_swap(server, name, url, auth, one_item, 0.5 * max_rps)
+        figures["version_swap_failed_requests"] = failed(swap)
         figures["version_swap_statuses"] = swap.statuses
         timelines["version 1.0 -> 2.0 (register, set-default, unregister)"] = (swap, swap_at)
         phase("version swap")
-
-    figures.update(_token_expiry(store / "1.0", name, one_item))
+    if "token_expiry" not in scenario.skip:
+        figures.update(_token_expiry(store / "1.0", name, one_item, scenario.token_lifetimes))
     phase("token expiry")
     phases.close()
 
     (out_dir / "reliability.json").write_bytes(orjson.dumps(figures, option=orjson.OPT_INDENT_2))
-    (out_dir / "summary.txt").write_text(_summary(figures))
-    _plot(timelines, out_dir / "disruptions.png")
-    print(_summary(figures))
+    (out_dir / "summary.txt").write_text(summary(figures))
+    plot(timelines, out_dir / "disruptions.png")
+    print(summary(figures))
     return figures
+
+
+def _register_during_load(
+    server: LocalTorchServe, name: str, url: str, auth: dict, traffic: Traffic, max_rps: float, phase_s: float
+) -> dict:
+    """Inference p99 at half the max load, alone and while a second copy of the model registers."""
+    baseline = run_open_loop(url, auth, traffic, 0.5 * max_rps, phase_s)
+    with BackgroundLoad(url, auth, traffic, 0.5 * max_rps) as load:
+        time.sleep(1.0)
+        ok(server.register(f"{name}.mar", model_name=f"{name}-second", initial_workers=1))
+        time.sleep(1.0)
+    ok(server.management("DELETE", f"/models/{name}-second"))
+    return {
+        "inference_p99_ms_baseline": baseline.latency_ms["p99"],
+        "register_during_load_inference_p99_ms": load.result.latency_ms["p99"],
+        "register_during_load_non_200": failed(load.result),
+    }
+
+
+def _disruptions(
+    server: LocalTorchServe,
+    scenario: ReliabilityScenario,
+    name: str,
+    traffic: Traffic,
+    max_rps: float,
+    figures: dict,
+    timelines: dict[str, tuple[LoadResult, float]],
+    phase: Callable[[str], None],
+) -> None:
+    """A worker of two killed, one hung (SIGSTOP), then scale-downs under load."""
+    url, auth = f"{server.inference_url}/predictions/{name}", server.auth("inference")
+    ok(server.management("PUT", f"/models/{name}", params={"min_worker": 2, "synchronous": "true"}))
+    kill, kill_at, kill_figures = kill_worker(server, name, url, auth, traffic, 0.5 * max_rps, scenario.phase_s)
+    figures.update(kill_figures)
+    timelines["kill -9 one of two workers"] = (kill, kill_at)
+    phase("kill a worker")
+    if "hang" not in scenario.skip:
+        hung, hung_at, hung_figures = hang_worker(server, name, url, auth, traffic, 0.3 * max_rps, scenario.phase_s)
+        figures.update(hung_figures)
+        timelines["SIGSTOP one of two workers"] = (hung, hung_at)
+    phase("hang a worker")
+    ok(server.management("PUT", f"/models/{name}", params={"min_worker": 1, "synchronous": "true"}))
+    if "scale_down" not in scenario.skip:
+        scale, scale_at = scale_down_trials(server, name, url, auth, traffic, 0.3 * max_rps, scenario.scale_trials)
+        figures["scale_down_trials"] = scenario.scale_trials
+        figures["scale_down_lost_requests"] = failed(scale) - scale.statuses.get("503", 0)
+        figures["scale_down_shed_requests"] = scale.statuses.get("503", 0)
+        figures["scale_down_statuses"] = scale.statuses
+        timelines[f"scale 1 -> 2 -> 1 workers, {scenario.scale_trials} times"] = (scale, scale_at)
+    phase("scale down")
 
 
 # -- phases ---------------------------------------------------------------------------------------
 
 
-def max_load(url: str, auth: dict, traffic: Traffic, seconds: float) -> dict:
+def max_load(url: str, auth: dict, traffic: Traffic, seconds: float, step: float = 0.05) -> dict:
     """The highest open-loop rate the server sustains: every request answered 200 with a p99
     within 4x that of a light load (at least 50 ms). Rates step up by 5% of a closed loop's
-    throughput (32 senders), from 20%; the load generator shares the machine's cores, so what it
+    throughput (32 senders; ``step``), from 25%; the load generator shares the machine's cores, so what it
     can send is part of the limit. A step that misses is run once more before the search ends:
     one stall of the machine itself (``benchmarks.stalls``: 20-250 ms now and then, at any load)
     is enough to lift a short step's p99 past the bound: two searches here ended on steps at
@@ -204,10 +221,10 @@ def max_load(url: str, auth: dict, traffic: Traffic, seconds: float) -> dict:
     steps = {}
 
     def missed(result: LoadResult) -> bool:
-        return bool(_failed(result)) or result.latency_ms["p99"] > bound_ms
+        return bool(failed(result)) or result.latency_ms["p99"] > bound_ms
 
-    for twentieths in range(5, 21):
-        rate = twentieths / 20 * closed_rps
+    for k in range(round(0.75 / step) + 1):
+        rate = (0.25 + k * step) * closed_rps
         result = run_open_loop(url, auth, traffic, rate, seconds)
         if missed(result):
             result = run_open_loop(url, auth, traffic, rate, seconds)
@@ -234,108 +251,11 @@ def _soak(server: LocalTorchServe, url: str, auth: dict, traffic: Traffic, rate:
         "soak_s": seconds,
         "soak_rate_rps": rate,
         "soak_requests": result.requests,
-        "soak_errors": _failed(result),
+        "soak_errors": failed(result),
         "soak_statuses": result.statuses,
         "soak_p99_ms": result.latency_ms.get("p99"),
         "soak_rss_mib": [early, late],
         "soak_rss_growth_pct": 100 * (late - early) / early,
-    }
-
-
-def _kill_worker(
-    server: LocalTorchServe, name: str, url: str, auth: dict, traffic: Traffic, rate: float, seconds: float
-) -> tuple[LoadResult, float, dict]:
-    with BackgroundLoad(url, auth, traffic, rate) as load:
-        time.sleep(seconds / 2)
-        victim = _ready_pids(server, name)[-1]
-        killed_at = time.perf_counter()
-        os.kill(victim, signal.SIGKILL)
-        recovered_at = _wait(lambda: _recovered(server, name, victim, 2), 120)
-        time.sleep(seconds / 2)
-    result = load.result
-    failures = [answered for sent, answered, status in result.events if status != "200" and answered > killed_at]
-    shown_at = min(failures, default=killed_at)
-    in_flight = sum(1 for sent, answered, _ in result.events if sent <= shown_at and answered >= killed_at)
-    return result, killed_at, {
-        "kill_worker_failed_requests": _failed(result),
-        "kill_worker_statuses": result.statuses,
-        "kill_worker_inflight": in_flight,
-        "kill_worker_recovery_s": recovered_at - killed_at,
-    }
-
-
-def _hang_worker(
-    server: LocalTorchServe, name: str, url: str, auth: dict, traffic: Traffic, rate: float, seconds: float
-) -> tuple[LoadResult, float, dict]:
-    with BackgroundLoad(url, auth, traffic, rate) as load:
-        time.sleep(seconds / 2)
-        victim = _ready_pids(server, name)[-1]
-        stopped_at = time.perf_counter()
-        os.kill(victim, signal.SIGSTOP)
-        detected_at = _wait(lambda: "stopped answering" in _ping(server), 60, every_s=0.05)
-        recovered_at = _wait(lambda: _recovered(server, name, victim, 2), 120)
-        time.sleep(seconds / 2)
-    result = load.result
-    return result, stopped_at, {
-        "hung_worker_detect_s": detected_at - stopped_at,
-        "hung_worker_recovery_s": recovered_at - stopped_at,
-        "hung_worker_failed_requests": _failed(result),
-        "hung_worker_statuses": result.statuses,
-    }
-
-
-def _scale_down_trials(
-    server: LocalTorchServe, name: str, url: str, auth: dict, traffic: Traffic, rate: float, trials: int
-) -> tuple[LoadResult, float]:
-    with BackgroundLoad(url, auth, traffic, rate) as load:
-        started = time.perf_counter()
-        for _ in range(trials):
-            ok(server.management("PUT", f"/models/{name}", params={"min_worker": 2, "synchronous": "true"}))
-            time.sleep(0.5)
-            ok(server.management("PUT", f"/models/{name}", params={"min_worker": 1, "synchronous": "true"}))
-            time.sleep(0.5)
-    return load.result, started
-
-
-def _version_swap(
-    server: LocalTorchServe, name: str, url: str, auth: dict, traffic: Traffic, rate: float
-) -> tuple[LoadResult, float]:
-    with BackgroundLoad(url, auth, traffic, rate) as load:
-        time.sleep(1.0)
-        started = time.perf_counter()
-        ok(server.register(f"{name}-v2.mar", initial_workers=1))
-        ok(server.management("PUT", f"/models/{name}/2.0/set-default"))
-        ok(server.management("DELETE", f"/models/{name}/1.0"))
-        time.sleep(1.0)
-    return load.result, started
-
-
-def _overload(server: LocalTorchServe, name: str, traffic: Traffic, phase_s: float, overload_s: float) -> dict:
-    """Worker-bound requests (100 candidates; 3 per batch keeps each forward on one thread, leaving
-    a core to the frontend), so that the client can offer twice the capacity without taking the
-    server's CPU."""
-    ranking = f"{name}-ranking"
-    url = f"{server.inference_url}/predictions/{ranking}"
-    auth = server.auth("inference")
-    batching = {"batch_size": 3, "max_batch_delay": 2}
-    ok(server.register(f"{name}.mar", model_name=ranking, **batching))
-    run_closed_loop(url, auth, traffic, 4, 1.0, 10**6)  # the worker's first batches
-    capacity = run_closed_loop(url, auth, traffic, 8, phase_s, 10**6).requests_per_s
-    unloaded = run_open_loop(url, auth, traffic, 0.1 * capacity, max(phase_s, 500 / (0.1 * capacity)))
-    ok(server.management("DELETE", f"/models/{ranking}"))
-    budget_ms = math.ceil(unloaded.latency_ms["p50"])
-    ok(server.register(f"{name}.mar", model_name=ranking, max_queue_wait_ms=budget_ms, **batching))
-    run_closed_loop(url, auth, traffic, 4, 1.0, 10**6)  # the new worker's first batches
-    overload = run_open_loop(url, auth, traffic, 2 * capacity, overload_s)
-    ok(server.management("DELETE", f"/models/{ranking}"))
-    return {
-        "overload_capacity_rps": capacity,
-        "inference_p99_ms_unloaded": unloaded.latency_ms["p99"],
-        "overload_max_queue_wait_ms": budget_ms,
-        "overload_2x_statuses": overload.statuses,
-        "overload_2x_served_rps": overload.requests_per_s,
-        "overload_2x_accepted_p99_ms": overload.latency_ms.get("p99"),
-        "overload_2x_reject_p99_ms": overload.rejected_latency_ms.get("p99"),
     }
 
 
@@ -370,11 +290,11 @@ def _logs(server: LocalTorchServe, url: str, auth: dict, traffic: Traffic, rate:
     }
 
 
-def _token_expiry(store: Path, name: str, traffic: Traffic) -> dict:
+def _token_expiry(store: Path, name: str, traffic: Traffic, lifetimes: int) -> dict:
     lifetime_min = 0.05
     with LocalTorchServe(model_store=store, settings={"token_expiration_min": str(lifetime_min)}) as server:
         ok(server.register(f"{name}.mar"))
-        deadline = time.perf_counter() + 10 * lifetime_min * 60
+        deadline = time.perf_counter() + lifetimes * lifetime_min * 60
         errors = sent = 0
         while time.perf_counter() < deadline:
             sent += 1
@@ -388,56 +308,6 @@ def _token_expiry(store: Path, name: str, traffic: Traffic) -> dict:
         }
 
 
-# -- the fuzzer -----------------------------------------------------------------------------------
-
-
-def fuzz_cases(bodies: list[bytes], count: int, seed: int) -> list[tuple[bytes, dict]]:
-    """``count`` malformed requests, each (body, headers), mutated from the valid ``bodies``."""
-    rng = random.Random(seed)
-    json_headers = {"Content-Type": "application/json"}
-    values = ["NaN", "Infinity", "-1", "1e400", "123456789012345678901234567890", '"x"', "null", "true",
-              "[]", "{}", "[[[[1]]]]", "-0.0", '"\\u0000"', "1.5"]
-
-    def mutate(body: bytes) -> tuple[bytes, dict]:
-        kind = rng.randrange(10)
-        text = body.decode()
-        if kind == 0:  # truncated
-            return body[: rng.randrange(len(body))], json_headers
-        if kind == 1:  # random bytes flipped
-            data = bytearray(body)
-            for _ in range(rng.randint(1, 8)):
-                data[rng.randrange(len(data))] = rng.randrange(256)
-            return bytes(data), json_headers
-        if kind in (2, 3):  # a number or list replaced by another JSON value
-            spots = [i for i, c in enumerate(text) if c in "0123456789["]
-            at = rng.choice(spots)
-            end = at + 1
-            while end < len(text) and text[end] not in ",]}":
-                end += 1
-            return (text[:at] + rng.choice(values) + text[end:]).encode(), json_headers
-        if kind == 4:  # a key repeated, renamed, or unknown
-            parsed = orjson.loads(body)
-            key = rng.choice(list(parsed))
-            return text.replace(f'"{key}"', f'"{key}x"', 1).encode() if rng.random() < 0.5 else (
-                text[:-1] + f', "{key}": {orjson.dumps(parsed[key]).decode()}}}'
-            ).encode(), json_headers
-        if kind == 5:  # not an object
-            return rng.choice([b"[]", b'"items"', b"42", b"null", b"", b" ", b"{", b"\xff\xfe"]), json_headers
-        if kind == 6:  # nested beyond any parser's depth
-            depth = rng.choice([100, 1000, 100_000])
-            return b'{"items": ' + b"[" * depth + b"]" * depth + b"}", json_headers
-        if kind == 7:  # a form, or no content type
-            return body, rng.choice([{"Content-Type": "application/x-www-form-urlencoded"}, {}])
-        if kind == 8:  # encodings
-            encoding = rng.choice(["gzip", "br", "deflate"])
-            data = gzip.compress(body) if encoding == "gzip" and rng.random() < 0.5 else body
-            return data, {**json_headers, "Content-Encoding": encoding}
-        items = orjson.loads(body).get("items", [{}])  # many items
-        return orjson.dumps({"items": items * rng.choice([1000, 5000])}), json_headers
-
-    return [mutate(bodies[rng.randrange(len(bodies))]) for _ in range(count)]
-
-
 # -- helpers --------------------------------------------------------------------------------------
 
 
@@ -447,42 +317,6 @@ def _build(scenario: ReliabilityScenario, store: Path, version: str) -> None:
          "--version", version, "--model-store", str(store), *scenario.build_args],
         check=True,
     )
-
-
-def ok(response: requests.Response) -> requests.Response:
-    """``response``, or an error naming the call when it is not a 200."""
-    if response.status_code != 200:
-        raise RuntimeError(f"{response.request.method} {response.url}: {response.status_code} {response.text}")
-    return response
-
-
-def _failed(result: LoadResult) -> int:
-    return sum(n for status, n in result.statuses.items() if status != "200")
-
-
-def _wait(condition: Callable[[], bool], timeout_s: float, every_s: float = 0.1) -> float:
-    deadline = time.perf_counter() + timeout_s
-    while time.perf_counter() < deadline:
-        if condition():
-            return time.perf_counter()
-        time.sleep(every_s)
-    raise TimeoutError(f"not within {timeout_s}s")
-
-
-def _ping(server: LocalTorchServe) -> str:
-    return requests.get(f"{server.inference_url}/ping", headers=server.auth("inference"), timeout=10).text
-
-
-def _ready_pids(server: LocalTorchServe, name: str) -> list[int]:
-    """The model's workers that TorchServe reports ready, by process id."""
-    described = server.management("GET", f"/models/{name}").json()[0]
-    return [worker["pid"] for worker in described["workers"] if worker["status"] == "READY"]
-
-
-def _recovered(server: LocalTorchServe, name: str, victim: int, workers: int) -> bool:
-    """``workers`` ready again, none of them the process that was killed or stopped."""
-    ready = _ready_pids(server, name)
-    return len(ready) == workers and victim not in ready
 
 
 def _server_rss_mib(server: LocalTorchServe) -> float:
@@ -500,54 +334,3 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-# -- report ---------------------------------------------------------------------------------------
-
-TARGETS = (  # (key, op, value or the key it is compared with, factor)
-    ("scale_down_lost_requests", "<=", 0, 1),
-    ("kill_worker_failed_requests", "<=", "kill_worker_inflight", 1),
-    ("kill_worker_recovery_s", "<=", 10, 1),
-    ("hung_worker_detect_s", "<=", 5, 1),
-    ("overload_2x_reject_p99_ms", "<=", 10, 1),
-    ("overload_2x_accepted_p99_ms", "<=", "inference_p99_ms_unloaded", 2),
-    ("register_during_load_inference_p99_ms", "<=", "inference_p99_ms_baseline", 1.5),
-    ("version_swap_failed_requests", "<=", 0, 1),
-    ("soak_errors", "<=", 0, 1),
-    ("soak_rss_growth_pct", "<=", 5, 1),
-    ("fuzz_5xx", "<=", 0, 1),
-    ("token_expiry_client_errors", "<=", 0, 1),
-    ("log_bytes_per_hour_at_1k_rps", "<=", 50 * 2**20, 1),
-)
-
-
-def _summary(figures: dict) -> str:
-    lines = [f"reliability scenario {figures['scenario']}"]
-    for key, _, bound, factor in TARGETS:
-        value = figures.get(key)
-        limit = factor * (figures[bound] if isinstance(bound, str) else bound)
-        met = value is not None and value <= limit
-        label = f"{factor:g} x {bound}" if isinstance(bound, str) and factor != 1 else str(bound)
-        lines.append(f"  {key:<40}{_fmt(value):>14}  target <= {label} ({_fmt(limit)}): {'met' if met else 'MISSED'}")
-    return "\n".join(lines) + "\n"
-
-
-def _fmt(value: object) -> str:
-    return f"{value:,.2f}" if isinstance(value, float) else str(value)
-
-
-def _plot(timelines: dict[str, tuple[LoadResult, float]], path: Path) -> None:
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 2.6 * len(timelines)), squeeze=False)
-    for ax, (title, (result, at)) in zip(axes[:, 0], timelines.items()):
-        events = np.array([(sent - at, (answered - sent) * 1000) for sent, answered, _ in result.events])
-        ok = np.array([status == "200" for _, _, status in result.events])
-        if len(events):
-            ax.scatter(events[ok, 0], events[ok, 1], s=2, label="200")
-            ax.scatter(events[~ok, 0], events[~ok, 1], s=6, color="red", label="other")
-        ax.axvline(0, color="black", linestyle="--", linewidth=1)
-        ax.set_yscale("log")
-        ax.set_title(title, fontsize=9)
-        ax.set_ylabel("latency, ms")
-        ax.legend(fontsize=7, loc="upper right")
-    axes[-1, 0].set_xlabel("seconds from the disruption")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -78,7 +78,7 @@ def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None
                     formed = server.handler_counters(spec.name).minus(before)
                     k = max(1, round(formed.mean_requests_per_batch))
                     if (workload.name, k) not in ceilings:
-                        ceilings[(workload.name, k)] = ceiling.items_per_s(workload.name, k)
+                        ceilings[(workload.name, k)] = ceiling.items_per_s(workload.name, k, scenario.ceiling_s)
                     config["runs"].append(
                         _run_record(workload.name, result, formed, ceilings[(workload.name, k)])
                     )

@@ -21,6 +21,8 @@ from archive_tools.model_config import ServingConfig
 from archive_tools.cli import main
 from archive_tools.distributed import build_distributed, split_delta
 from archive_tools.launcher import HostGroup, LayoutFile, LocalLayout
+from benchmarks.distributed import answer_kib, shard_hop
+from benchmarks.traffic import TrafficModel
 from handlers.modeling.eager import eager_service
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
@@ -142,17 +144,25 @@ class _Load:
         for thread in self._threads:
             thread.join(timeout=60)
 
+    def answered(self, more: int, timeout_s: float = 60) -> None:
+        """Returns once ``more`` further requests are answered (polled, not slept for)."""
+        wanted = len(self.statuses) + more
+        deadline = time.monotonic() + timeout_s
+        while len(self.statuses) < wanted:
+            assert time.monotonic() < deadline, f"{more} answers not within {timeout_s}s"
+            time.sleep(0.02)
+
 
 def test_a_replica_killed_and_restarted_under_load_fails_no_request(tiny):
     spec, _, layout = tiny
     replica = layout.shards["a"][0]
     with _Load(layout, spec) as load:
-        time.sleep(2)
+        load.answered(20)
         replica.stop()
-        time.sleep(3)
+        load.answered(40)  # with one replica of shard a
         layout.revive("a", 0)
-        time.sleep(3)
-    assert len(load.statuses) > 50
+        load.answered(40)  # with both again
+    assert len(load.statuses) >= 100
     assert set(load.statuses) == {200}, load.bodies[:3]
 
 
@@ -164,10 +174,10 @@ def test_a_hung_replica_is_failed_over_within_the_deadline(tiny):
     os.killpg(group, signal.SIGSTOP)
     try:
         with _Load(layout, spec) as load:
-            time.sleep(4)
+            load.answered(30)  # each call tries the hung replica once, then the other
     finally:
         os.killpg(group, signal.SIGCONT)
-    assert len(load.statuses) > 20
+    assert len(load.statuses) >= 30
     assert set(load.statuses) == {200}, load.bodies[:3]
 
 
@@ -271,3 +281,15 @@ def test_a_rows_delta_reaches_the_shard_that_owns_each_table_on_every_host(tiny,
     response = _scores(layout, "tiny-dense", body)
     assert response.status_code == 200, response.text
     torch.testing.assert_close(torch.tensor(response.json()["scores"]), _expected(fresh, body), atol=1e-6, rtol=0)
+
+
+def test_the_benchmarks_own_figures_on_a_running_layout(tiny):
+    """What only the distributed benchmark measures (everything else its smoke run checked is
+    checked above): the shard hop timed from this process against a running layout, and the bags
+    the shards answer, each distinct bag once per request."""
+    spec, _, layout = tiny
+    candidates = TrafficModel(items_per_request=100, candidate_features=("item_id",)).generate(spec, 16, seed=2)
+    hop = shard_hop(layout, spec, candidates, duration_s=0.5)
+    assert 0 < hop["shard_handler_ms_per_call"] < hop["shard_lookups_p50_ms"], hop
+    answered = answer_kib(spec, candidates)
+    assert answered["shard_answer_kib_per_request"] < 0.5 * answered["shard_answer_kib_per_request_all_bags"]
