@@ -49,6 +49,7 @@ from archive_tools.verification import Bounds
 from handlers.loading import load_service
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
+from handlers.modeling.spec import ModelSpec
 from handlers.runtime.archive_files import WEIGHTS
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.errors import InputError
@@ -57,44 +58,24 @@ from handlers.runtime.split import SplitPlan
 
 
 def build_archive(
-    spec_path: Path,
-    *,
-    checkpoint: Path | None,
-    seed: int,
-    name: str | None,
-    version: str,
-    model_store: Path,
-    serving: ServingConfig,
-    bounds: Bounds = Bounds(),
-    validation: Path | None = None,
-    quantized_init: bool = False,
-    archive_format: str = "default",
-    artifact: Artifact = Artifact.EAGER,
-    split: SplitPlan | None = None,
+    spec_path: Path, *, checkpoint: Path | None, seed: int, name: str | None, version: str, model_store: Path,
+    serving: ServingConfig, bounds: Bounds = Bounds(), validation: Path | None = None, quantized_init: bool = False,
+    archive_format: str = "default", artifact: Artifact = Artifact.EAGER, split: SplitPlan | None = None,
     compare_precisions: bool = False,
 ) -> Path:
     """Runs every stage and returns the path of the written ``.mar`` (or folder, for
     ``no-archive``); raises ``VerificationFailed`` past the bounds. ``split``: the parts of a
     ``split`` artifact; ``compare_precisions``: also time and check every dense precision, and
     suggest one."""
-    if quantized_init and checkpoint is not None:
-        raise InputError("quantized_init creates random tables; it cannot start from a checkpoint")
-    if artifact == Artifact.SPLIT:
-        split = split or SplitPlan()
-    elif split is not None:
-        raise InputError(f"a split plan was given for a {artifact.value} artifact")
+    split = _checked_split(artifact, split, quantized_init and checkpoint is not None)
     started = time.perf_counter()
     with tqdm(total=6, desc="archive", unit="stage", file=sys.stderr) as stages:
         stages.set_postfix_str("spec")
         spec = load_spec(spec_path)
         name = name or spec.name
-        if archive_format == "no-archive":
-            check_replaceable(model_store / name)  # before minutes of building, not after
-        if artifact != Artifact.EAGER:
-            check_capturable(spec)
+        _check_before_building(spec, model_store / name, archive_format, artifact)
         factory = DLRMFactory(spec)
-        for line in spec_summary(spec, factory):
-            tqdm.write(line, file=sys.stderr)
+        _print(spec_summary(spec, factory))
         stages.update()
 
         weights, float_model = served_weights(factory, checkpoint, seed, quantized_init, stages)
@@ -108,9 +89,8 @@ def build_archive(
             data = validation_data(spec, reference, validation, seed)
             if compare_precisions:
                 stages.set_postfix_str("dense precisions")
-                rows = compare_dense_precisions(spec, factory.load_weights(staging / WEIGHTS), reference, data, bounds)
-                for line in suggestion_lines(rows):
-                    tqdm.write(line, file=sys.stderr)
+                _print(suggestion_lines(compare_dense_precisions(spec, factory.load_weights(staging / WEIGHTS),
+                                                                 reference, data, bounds)))
 
             stages.set_postfix_str(f"capture ({artifact.value})")
             if artifact != Artifact.EAGER:
@@ -118,15 +98,39 @@ def build_archive(
             stages.update()
 
             stages.set_postfix_str("verify")
-            served = load_service(staging, HandlerOptions(artifact, _verifiable(split)))
-            verify_staged(served, reference, data, bounds, name=name, model_store=model_store, staging=staging,
-                          against="built" if quantized_init else "float")
+            verify_staged(load_service(staging, HandlerOptions(artifact, _verifiable(split))), reference, data, bounds,
+                          name=name, model_store=model_store, staging=staging, against="built" if quantized_init else "float")
             stages.update()
 
             stages.set_postfix_str("torch-model-archiver")
-            config = serving.model_config(artifact, weights_bytes, split)
-            archive = package(staging, config, name, version, model_store, archive_format)
+            archive = package(staging, serving.model_config(artifact, weights_bytes, split), name, version, model_store,
+                              archive_format)
             stages.update()
+    _report_written(archive, artifact, weights_bytes, started)
+    return archive
+
+
+def _check_before_building(spec: ModelSpec, archive: Path, archive_format: str, artifact: Artifact) -> None:
+    """What would fail at the end, refused before minutes of building."""
+    if archive_format == "no-archive":
+        check_replaceable(archive)
+    if artifact != Artifact.EAGER:
+        check_capturable(spec)
+
+
+def _checked_split(artifact: Artifact, split: SplitPlan | None, quantized_from_checkpoint: bool) -> SplitPlan | None:
+    """The split plan the build uses (the default one for a split artifact); refuses arguments
+    that contradict each other."""
+    if quantized_from_checkpoint:
+        raise InputError("quantized_init creates random tables; it cannot start from a checkpoint")
+    if artifact == Artifact.SPLIT:
+        return split or SplitPlan()
+    if split is not None:
+        raise InputError(f"a split plan was given for a {artifact.value} artifact")
+    return None
+
+
+def _report_written(archive: Path, artifact: Artifact, weights_bytes: int, started: float) -> None:
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     tqdm.write(
         f"wrote {archive} ({archive_bytes(archive) / 2**20:.1f} MiB, serving {artifact.value}; weights "
@@ -134,7 +138,11 @@ def build_archive(
         f"peak RSS {peak_gib:.2f} GiB",
         file=sys.stderr,
     )
-    return archive
+
+
+def _print(lines: list[str]) -> None:
+    for line in lines:
+        tqdm.write(line, file=sys.stderr)
 
 
 def _verifiable(split: SplitPlan | None) -> SplitPlan | None:

@@ -26,9 +26,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from archive_tools import cli_args
 from archive_tools.build import build_archive
+from archive_tools.cli_args import DISTRIBUTED
 from archive_tools.model_config import ServingConfig
-from archive_tools.pipeline import ARCHIVE_FORMATS, VerificationFailed
+from archive_tools.pipeline import VerificationFailed
 from archive_tools.delta import DeltaSource, make_delta, verify_delta
 from archive_tools.distributed import build_distributed, split_delta
 from archive_tools.launcher import LayoutFile, LocalLayout
@@ -46,11 +48,7 @@ from handlers.runtime.archive import Archive
 from handlers.runtime.archive_files import SPEC
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.errors import InputError
-from handlers.runtime.split import DENSE_ARTIFACTS, DEVICES, SPARSE_ARTIFACTS, SplitPlan
-
-# What --artifact builds as one archive; ``distributed`` builds a layout's (archive_tools.distributed).
-BUILT_ALONE = (Artifact.EAGER, Artifact.EXPORTED, Artifact.AOTI, Artifact.SPLIT)
-DISTRIBUTED = "distributed"
+from handlers.runtime.split import SplitPlan
 
 # Exit codes, one per kind of failure the user can act on (2 is also argparse's, for a bad
 # command line); the first class that matches wins. Anything else is an internal error: 1.
@@ -176,31 +174,6 @@ def _delta(args: argparse.Namespace) -> int:
     return 0
 
 
-def _delta_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "archive", type=Path,
-        help="the served archive (.mar or folder) the delta applies to; a distributed layout's dense "
-        "archive: one delta per shard, from --rows",
-    )
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--checkpoint", type=Path, help="a newer trained checkpoint (as build takes it)")
-    source.add_argument(
-        "--rows", type=Path,
-        help="changed rows: torch.save({table: {'ids': int64 [n], 'rows': float [n, dim]}})",
-    )
-    parser.add_argument(
-        "--dense", type=Path,
-        help="new dense weights to swap in whole: a checkpoint, whole or of the dense weights alone",
-    )
-    parser.add_argument("--sequence", type=int, required=True, help="its place in the model's delta log: 1, 2, ...")
-    parser.add_argument("--name", help="the model name it is registered under (default: the spec's)")
-    parser.add_argument(
-        "--out", type=Path,
-        help="the delta file (default: ARCHIVE's folder/deltas/NAME-SEQUENCE.delta, where publishing finds it)",
-    )
-    parser.add_argument("--verify", action="store_true", help="check it against a fresh build from --checkpoint")
-
-
 def _verify(args: argparse.Namespace) -> int:
     """The archive, loaded as a worker loads it, against the float model of its own spec with
     the given weights, on validation data."""
@@ -289,12 +262,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _command(commands, "build", _build, "build a .mar (or archive folder) from a spec", _build_args)
-    _command(commands, "verify", _verify, "check an archive against its float model", _verify_args)
-    _command(commands, "serve", _serve, "run TorchServe with the project's config", _serve_args)
-    _command(commands, "launch", _launch, "start a distributed layout here, one TorchServe per host", _launch_args)
-    _command(commands, "delta", _delta, "write a delta of changed table rows for a served archive", _delta_args)
-    _command(commands, "bench", _bench, "run a benchmark scenario", _bench_args)
+    _command(commands, "build", _build, "build a .mar (or archive folder) from a spec", cli_args.build_args)
+    _command(commands, "verify", _verify, "check an archive against its float model", cli_args.verify_args)
+    _command(commands, "serve", _serve, "run TorchServe with the project's config", cli_args.serve_args)
+    _command(commands, "launch", _launch, "start a distributed layout here, one TorchServe per host", cli_args.launch_args)
+    _command(commands, "delta", _delta, "write a delta of changed table rows for a served archive", cli_args.delta_args)
+    _command(commands, "bench", _bench, "run a benchmark scenario", cli_args.bench_args)
     _command(commands, "spec-docs", _spec_docs, "regenerate spec.schema.json and SPEC.md", None)
     return parser
 
@@ -318,138 +291,6 @@ def _command(
     parser.set_defaults(run=run)
 
 
-def _build_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--spec", required=True, help="model spec: a YAML file, or a shipped spec's name (criteo)"
-    )
-    weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--checkpoint", type=Path, help="trained float state dict (torch.save)")
-    weights.add_argument("--seed", type=int, default=0, help="random weights from this seed (demo)")
-    parser.add_argument(
-        "--init",
-        choices=("float", "quantized"),
-        default="float",
-        help="float: a float model (checkpoint or seed), quantized and verified against it; "
-        "quantized: seeded random tables made in their served dtypes, never in float (huge models)",
-    )
-    parser.add_argument(
-        "--artifact",
-        choices=[a.value for a in BUILT_ALONE] + [DISTRIBUTED],
-        default=Artifact.EAGER.value,
-        help="what the archive serves: aoti (AOTInductor package), exported (torch.export program), "
-        "eager (TorchRec modules on memory-mapped weights), split (a sparse and a dense part, "
-        "see --sparse / --dense), or distributed (an archive per embedding shard named by the "
-        "spec's tables[].shard, and a dense archive calling them: NAME-<shard>, NAME-dense)",
-    )
-    defaults = SplitPlan()
-    parser.add_argument(
-        "--sparse",
-        choices=[a.value for a in SPARSE_ARTIFACTS],
-        help=f"split: the embedding lookups as (default {defaults.sparse.value}); eager keeps the "
-        "tables in the memory-mapped weights.pt, for tables of many GB",
-    )
-    parser.add_argument(
-        "--dense",
-        choices=[a.value for a in DENSE_ARTIFACTS],
-        help=f"split, distributed: the dense layers as (default {defaults.dense.value})",
-    )
-    parser.add_argument(
-        "--dense-device",
-        choices=DEVICES,
-        help=f"split: where the dense part runs (default {defaults.dense_device}; cuda needs "
-        "--dense exported)",
-    )
-    parser.add_argument(
-        "--archive-format",
-        choices=ARCHIVE_FORMATS,
-        default="default",
-        help="default: a zipped NAME.mar; no-archive: a folder NAME/ (no compression, no unpacking)",
-    )
-    parser.add_argument(
-        "--compare-dense-precisions", action="store_true",
-        help="also time every dense precision for the MLPs, check each against the float model, "
-        "and print the fastest that passes (for one item and for large batches)",
-    )
-    parser.add_argument("--name", help="model name (default: the spec's name)")
-    parser.add_argument("--version", default="1.0", help="model version")
-    parser.add_argument(
-        "--model-store", type=Path, default=Path("model_store"), help="where the archive goes"
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=ServingConfig.batch_size,
-        help="TorchServe batchSize: requests coalesced into one forward at most",
-    )
-    parser.add_argument(
-        "--max-batch-delay", type=int, default=ServingConfig.max_batch_delay_ms,
-        help="TorchServe maxBatchDelay, ms: how long a batch waits to fill",
-    )
-    parser.add_argument("--workers", type=int, default=ServingConfig.workers, help="workers per model")
-    parser.add_argument(
-        "--intra-op-threads", type=int, default=ServingConfig.intra_op_threads,
-        help="torch intra-op threads for a large forward",
-    )
-    parser.add_argument(
-        "--parallel-from-items", type=int, default=ServingConfig.parallel_from_items,
-        help="a forward of fewer items runs on one thread (0: every forward on --intra-op-threads)",
-    )
-    parser.add_argument(
-        "--metrics-flush", type=float, default=ServingConfig.metrics_flush_s,
-        help="seconds between the worker's metric updates (0: every batch)",
-    )
-    parser.add_argument(
-        "--max-queue-wait-ms", type=int, default=ServingConfig.max_queue_wait_ms,
-        help="admission control: overloaded, requests that would wait longer get a fast 503 "
-        "(0: four times the measured batch time, at least 100 ms)",
-    )
-    parser.add_argument(
-        "--hang-after-ms", type=int, default=ServingConfig.hang_after_ms,
-        help="a worker that runs one batch this long is restarted, the batch answered 503 "
-        "(0: 20 times the measured batch time, at least 2000 ms)",
-    )
-    parser.add_argument(
-        "--delta-rows-per-s", type=float, default=ServingConfig.delta_rows_per_s,
-        help="the pace at which a published delta's rows are written into the served tables",
-    )
-    _verification_args(parser)
-
-
-def _verify_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("archive", type=Path, help="a .mar, or an unzipped archive folder")
-    weights = parser.add_mutually_exclusive_group(required=True)
-    weights.add_argument("--checkpoint", type=Path, help="the trained float state dict it came from")
-    weights.add_argument("--seed", type=int, help="the seed it was built from (demo archives)")
-    _verification_args(parser)
-
-
-def _verification_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--validation",
-        type=Path,
-        help="validation data: JSON lines (requests or item records with label/labels) or a Criteo "
-        "TSV (default: requests generated from the spec, labelled by the reference)",
-    )
-    parser.add_argument(
-        "--max-score-diff",
-        type=float,
-        default=Bounds.max_abs_score_diff,
-        help="refuse if any validation score differs from the reference's by more",
-    )
-    parser.add_argument("--max-rel-score-diff", type=float, default=None, help="same, relative")
-    parser.add_argument(
-        "--max-auc-drop", type=float, default=Bounds.max_auc_drop,
-        help="refuse if the AUC on labelled validation data drops by more",
-    )
-    parser.add_argument(
-        "--max-ne-increase", type=float, default=Bounds.max_ne_increase,
-        help="refuse if the normalized entropy on labelled validation data rises by more",
-    )
-    parser.add_argument(
-        "--expect-auc", type=float, default=None,
-        help="the training evaluation's AUC: refuse if the served AUC falls below it by more "
-        "than --max-auc-drop",
-    )
-
-
 def _bounds(args: argparse.Namespace) -> Bounds:
     return Bounds(
         max_abs_score_diff=args.max_score_diff,
@@ -457,30 +298,6 @@ def _bounds(args: argparse.Namespace) -> Bounds:
         max_auc_drop=args.max_auc_drop,
         max_ne_increase=args.max_ne_increase,
         expected_auc=args.expect_auc,
-    )
-
-
-def _serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("archives", nargs="*", help="archives in the model store to register")
-    parser.add_argument(
-        "--model-store", type=Path, default=Path("model_store"), help="the archives' folder"
-    )
-    parser.add_argument("--config", type=Path, help="TorchServe config (default: the project's)")
-    parser.add_argument(
-        "--free-ports", action="store_true", help="listen on free ports, not the config's"
-    )
-
-
-def _launch_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("layout", type=Path, help="layout file: model_store, dense and shards (archive, hosts)")
-
-
-def _bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", help="smoke, criteo, criteo-1tb, ...")
-    parser.add_argument("--out", type=Path, help="output folder (default benchmarks/results/SCENARIO)")
-    parser.add_argument(
-        "--trace", action="append", default=[], metavar="WORKLOAD=FILE",
-        help="replay a JSON-lines trace (one request body per line) instead of generated traffic",
     )
 
 

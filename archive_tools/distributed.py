@@ -91,16 +91,9 @@ def build_distributed(
     started = time.perf_counter()
     spec = load_spec(spec_path)
     name = name or spec.name
-    if not spec.shards:
-        raise InputError(
-            f"{spec_path}: tables[].shard: no table names its shard; give each table one to build "
-            "a distributed layout"
-        )
-    check_capturable(spec)
     dense_name = shard_model_name(name, DENSE_SUFFIX)
-    if archive_format == "no-archive":
-        for archive_name in [shard_model_name(name, s) for s in spec.shards] + [dense_name]:
-            check_replaceable(model_store / archive_name)
+    _check_before_building(spec, spec_path, [shard_model_name(name, s) for s in spec.shards] + [dense_name],
+                           model_store, archive_format)
     factory = DLRMFactory(spec)
     with tqdm(total=6, desc="distributed archives", unit="stage", file=sys.stderr) as stages:
         weights, float_model = served_weights(factory, checkpoint, seed, quantized_init, stages)
@@ -134,6 +127,21 @@ def build_distributed(
         tqdm.write(f"wrote {archive} ({archive_bytes(archive) / 2**20:.1f} MiB)", file=sys.stderr)
     tqdm.write(f"built {len(archives)} archives in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return archives
+
+
+def _check_before_building(
+    spec: ModelSpec, spec_path: Path, names: list[str], model_store: Path, archive_format: str
+) -> None:
+    """What would fail at the end, refused before minutes of building."""
+    if not spec.shards:
+        raise InputError(
+            f"{spec_path}: tables[].shard: no table names its shard; give each table one to build "
+            "a distributed layout"
+        )
+    check_capturable(spec)
+    if archive_format == "no-archive":
+        for archive_name in names:
+            check_replaceable(model_store / archive_name)
 
 
 def _stage_shards(root: Path, spec: ModelSpec, factory: DLRMFactory, whole: Path, name: str) -> list[tuple[ShardRoute, Path]]:

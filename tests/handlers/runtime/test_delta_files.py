@@ -12,7 +12,6 @@ import pytest
 import torch
 import xxhash
 
-from handlers.runtime.archive_files import LOG_POINTER
 from handlers.runtime.freshness.applier import (
     AppliedState,
     Pace,
@@ -33,12 +32,7 @@ from handlers.runtime.freshness.delta_file import (
     read_header,
     record_dtype,
 )
-from handlers.runtime.freshness.follower import LogFollower
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout, table_buffers
-from handlers.runtime.freshness.log import ROLLBACK_MARK
-from handlers.runtime.freshness.protocol import PROTOCOL, reply_bytes
-from handlers.runtime.freshness.shared_tables import SharedTables
-from handlers.runtime.freshness.worker import WorkerFreshness
 
 TABLES = (
     TableLayout("a", "int8", 8, 1000, 12, buffer=0, offset=0),
@@ -357,46 +351,3 @@ def test_an_earlier_writers_undo_is_kept_only_as_far_as_its_ids_are_the_deltas(t
     undo = read_delta(tmp_path / "1.undo", LAYOUT).records(delta.header.tables[0])
     assert undo["id"].tolist() == list(range(10, 20))
     assert (undo["row"][:3] == 7).all() and undo["row"][3:, 0].tolist() == list(range(13, 20))
-
-
-def _calls(freshness, log: Path):
-    """The plugin's calls to ``freshness`` as the protocol carries them: call -> reply JSON."""
-    (freshness.model_dir / LOG_POINTER).write_bytes(orjson.dumps({"log": str(log)}))
-    return lambda **call: orjson.loads(reply_bytes(orjson.dumps({"protocol": PROTOCOL, **call}), freshness.answer))
-
-
-def test_while_a_rollback_is_under_way_a_second_one_and_publishes_are_refused(tmp_path):
-    """A rollback is asked for durably and carried out later by the writer: meanwhile the log
-    must not move, so another rollback and any publish get a 409 naming it."""
-    log = tmp_path / "log"
-    log.mkdir()
-    _write(log / "00000001.delta")
-    freshness = WorkerFreshness(tmp_path, SharedTables(tmp_path, tmp_path / "weights.pt", hold=-1), LAYOUT, Pace())
-    call = _calls(freshness, log)
-    asked = call(op="rollback", to=0)
-    assert asked == {"protocol": PROTOCOL, "status": 200, "reply": {"rolling_back_to": 0, "from": 1}}
-    assert orjson.loads((log / ROLLBACK_MARK).read_bytes()) == {"to": 0, "from": 1}
-    again = call(op="rollback", to=0)
-    assert again["status"] == 409 and again["error"]["type"] == "Conflict" and "under way" in again["error"]["message"]
-    publish = call(op="check", delta=str(_write(tmp_path / "next.delta", sequence=2)))
-    assert publish["status"] == 409 and "rollback to 0" in publish["error"]["message"]
-    assert call(op="rollback", to=1)["status"] == 409  # to another sequence too
-
-
-def test_a_rollback_whose_undo_is_missing_undoes_nothing_and_says_which(tmp_path):
-    path, _, buffers = _weights_file(tmp_path)
-    log = tmp_path / "log"
-    log.mkdir()
-    _write(log / "00000001.delta")
-    _write(log / "00000002.delta", sequence=2, sections=[(TABLES[0], np.array([3, 4]), _rows(TABLES[0], 2, 9))])
-    freshness = WorkerFreshness(tmp_path, SharedTables(tmp_path, path, hold=-1), LAYOUT, Pace())
-    follower = LogFollower(tmp_path, LAYOUT, TableWriter(path, buffers, LAYOUT), freshness.lock, Pace())
-    follower.catch_up(log, Pace())
-    assert AppliedState.read(tmp_path).sequence == 2
-    applied = _table_a(buffers).clone()
-    (log / "00000001.undo").unlink()
-    assert _calls(freshness, log)(op="rollback", to=0)["status"] == 200
-    with pytest.raises(RuntimeError, match="rollback to 0: 00000001.undo missing .* nothing was undone"):
-        follower.catch_up(log, Pace())
-    assert torch.equal(_table_a(buffers), applied)  # delta 2's rows too, though its undo is there
-    assert AppliedState.read(tmp_path).sequence == 2 and (log / ROLLBACK_MARK).exists()
