@@ -33,14 +33,7 @@ def failed(result: LoadResult) -> int:
 def kill_worker(
     server: LocalTorchServe, name: str, url: str, auth: dict, traffic: Traffic, rate: float, seconds: float
 ) -> tuple[LoadResult, float, dict]:
-    with BackgroundLoad(url, auth, traffic, rate) as load:
-        time.sleep(seconds / 2)
-        victim = _ready_pids(server, name)[-1]
-        killed_at = time.perf_counter()
-        os.kill(victim, signal.SIGKILL)
-        recovered_at = _wait(lambda: _recovered(server, name, victim, 2), 120)
-        time.sleep(seconds / 2)
-    result = load.result
+    result, killed_at, _, recovered_at = _signalled(server, name, url, auth, traffic, rate, seconds, signal.SIGKILL)
     failures = [answered for sent, answered, status in result.events if status != "200" and answered > killed_at]
     shown_at = min(failures, default=killed_at)
     in_flight = sum(1 for sent, answered, _ in result.events if sent <= shown_at and answered >= killed_at)
@@ -55,21 +48,34 @@ def kill_worker(
 def hang_worker(
     server: LocalTorchServe, name: str, url: str, auth: dict, traffic: Traffic, rate: float, seconds: float
 ) -> tuple[LoadResult, float, dict]:
-    with BackgroundLoad(url, auth, traffic, rate) as load:
-        time.sleep(seconds / 2)
-        victim = _ready_pids(server, name)[-1]
-        stopped_at = time.perf_counter()
-        os.kill(victim, signal.SIGSTOP)
-        detected_at = _wait(lambda: "stopped answering" in _ping(server), 60, every_s=0.05)
-        recovered_at = _wait(lambda: _recovered(server, name, victim, 2), 120)
-        time.sleep(seconds / 2)
-    result = load.result
+    result, stopped_at, detected_at, recovered_at = _signalled(
+        server, name, url, auth, traffic, rate, seconds, signal.SIGSTOP,
+        detected=lambda: "stopped answering" in _ping(server),
+    )
     return result, stopped_at, {
-        "hung_worker_detect_s": detected_at - stopped_at,
+        "hung_worker_detect_s": detected_at - stopped_at,  # type: ignore[operator]  # detected is given
         "hung_worker_recovery_s": recovered_at - stopped_at,
         "hung_worker_failed_requests": failed(result),
         "hung_worker_statuses": result.statuses,
     }
+
+
+def _signalled(
+    server: LocalTorchServe, name: str, url: str, auth: dict, traffic: Traffic, rate: float, seconds: float,
+    sig: int, detected: Callable[[], bool] | None = None,
+) -> tuple[LoadResult, float, float | None, float]:
+    """Under load, the newest of the model's two workers sent ``sig`` halfway through ``seconds``:
+    the load's result, when it was sent, when ``detected`` first held, and when two workers (not
+    that one) were ready again."""
+    with BackgroundLoad(url, auth, traffic, rate) as load:
+        time.sleep(seconds / 2)
+        victim = _ready_pids(server, name)[-1]
+        sent_at = time.perf_counter()
+        os.kill(victim, sig)
+        detected_at = _wait(detected, 60, every_s=0.05) if detected is not None else None
+        recovered_at = _wait(lambda: _recovered(server, name, victim, 2), 120)
+        time.sleep(seconds / 2)
+    return load.result, sent_at, detected_at, recovered_at
 
 
 def scale_down_trials(

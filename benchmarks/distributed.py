@@ -130,7 +130,20 @@ def run_distributed(scenario: DistributedScenario, out_dir: Path) -> dict:
         progress.update()
     progress.close()
 
-    figures.update({
+    figures.update(_compared(single, distributed))
+    figures["shard_rss_mib"] = max(figures["shard_rss_mib_by_host"].values())
+    figures["shard_rss_ratio"] = figures["shard_rss_mib"] / figures["single_host_rss_mib"]
+    (out_dir / "distributed.json").write_bytes(orjson.dumps(figures, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    (out_dir / "summary.txt").write_text(_summary(figures))
+    _plot(figures, out_dir / "distributed.png")
+    shutil.rmtree(store, ignore_errors=True)  # GBs of tables; rebuilt by the next run
+    print(_summary(figures))
+    return figures
+
+
+def _compared(single: dict, distributed: dict) -> dict:
+    """The one host's and the layout's measurements side by side, and how far their scores lie."""
+    return {
         "single_host_100cand_items_per_s": single["items_per_s"],
         "di_100cand_items_per_s": distributed["items_per_s"],
         "single_host_p50_ms": single["p50_ms"],
@@ -141,15 +154,7 @@ def run_distributed(scenario: DistributedScenario, out_dir: Path) -> dict:
         "single_host_statuses": single["statuses"],
         "di_statuses": distributed["statuses"],
         "max_score_diff": float(np.max(np.abs(single["scores"] - distributed["scores"]))),
-        "shard_rss_mib": max(figures["shard_rss_mib_by_host"].values()),
-    })
-    figures["shard_rss_ratio"] = figures["shard_rss_mib"] / figures["single_host_rss_mib"]
-    (out_dir / "distributed.json").write_bytes(orjson.dumps(figures, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
-    (out_dir / "summary.txt").write_text(_summary(figures))
-    _plot(figures, out_dir / "distributed.png")
-    shutil.rmtree(store, ignore_errors=True)  # GBs of tables; rebuilt by the next run
-    print(_summary(figures))
-    return figures
+    }
 
 
 def _placed(spec: ModelSpec) -> ModelSpec:

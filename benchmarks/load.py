@@ -31,7 +31,7 @@ import aiohttp
 import numpy as np
 
 from benchmarks.traffic import Traffic
-from handlers.runtime.wire.kserve_v2 import BINARY, HEADER_LENGTH
+from handlers.runtime.wire.v2_answers import BINARY, HEADER_LENGTH
 
 PERCENTILES = (50, 90, 99, 99.9)
 

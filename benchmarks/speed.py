@@ -76,10 +76,8 @@ def run_speed(scenario: SpeedScenario, out_dir: Path) -> dict:
         items_per_request=100, candidate_features=CRITEO_CANDIDATE_FEATURES
     ).generate(spec, 256, seed=2)
     tensors = candidates.as_tensors(schema)
-    figures: dict = {
-        "json_decode_us_per_item": _decode_us_per_item(schema, candidates),
-        "tensor_decode_us_per_item": _decode_us_per_item(schema, tensors),
-    }
+    figures: dict = {"json_decode_us_per_item": _decode_us_per_item(schema, candidates),
+                     "tensor_decode_us_per_item": _decode_us_per_item(schema, tensors)}
     store = out_dir / "model_store"
     archive = _build(scenario, spec.name, store)
     progress = tqdm(total=9, desc=scenario.name, unit="level")
@@ -113,26 +111,29 @@ def run_speed(scenario: SpeedScenario, out_dir: Path) -> dict:
         figures["tensor_100cand_items_per_s"] = serve(spec.name, tensors, 32, 32).items_per_s
         formed = server.handler_counters(spec.name).minus(before)
         progress.set_postfix_str("gRPC")
-        metadata = [(k.lower(), v) for k, v in auth.items()]
-        target = f"127.0.0.1:{server.ports['grpc_inference_port']}"
-        run_closed_loop_grpc(target, metadata, spec.name, tensors, 4, 2.0, 200)
-        grpc = run_closed_loop_grpc(target, metadata, spec.name, tensors, 32, scenario.seconds, 10**6)
-        figures["grpc_100cand_items_per_s"] = grpc.items_per_s
+        figures["grpc_100cand_items_per_s"] = _grpc_items_per_s(server, spec.name, tensors, scenario.seconds)
         progress.update()
         server.management("DELETE", f"/models/{spec.name}").raise_for_status()
     progress.set_postfix_str("in-process ceiling")
-    requests_per_batch = max(1, round(formed.mean_requests_per_batch))
-    with CeilingProcess(archive, {"tensor": tensors}, 2) as ceiling:
-        figures["ceiling_100cand_items_per_s"] = ceiling.items_per_s("tensor", requests_per_batch)
+    figures["formed_100cand_requests_per_batch"] = formed.mean_requests_per_batch
+    with CeilingProcess(archive, {"tensor": tensors}, 2) as ceiling:  # at the batches the server formed
+        figures["ceiling_100cand_items_per_s"] = ceiling.items_per_s("tensor", max(1, round(formed.mean_requests_per_batch)))
     progress.update()
     progress.close()
-    figures["formed_100cand_requests_per_batch"] = formed.mean_requests_per_batch
     results = {"scenario": scenario.name, "spec": spec.name, **figures, "targets": _targets(figures)}
     (out_dir / "speed.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     (out_dir / "summary.txt").write_text(_summary(results))
     _plot(results, out_dir / "speed.png")
     print(_summary(results))
     return results
+
+
+def _grpc_items_per_s(server: LocalTorchServe, model: str, tensors: Traffic, seconds: float) -> float:
+    """Items/s of ``tensors`` sent through TorchServe's gRPC API by 32 concurrent callers."""
+    metadata = [(k.lower(), v) for k, v in server.auth("inference").items()]
+    target = f"127.0.0.1:{server.ports['grpc_inference_port']}"
+    run_closed_loop_grpc(target, metadata, model, tensors, 4, 2.0, 200)  # warm-up
+    return run_closed_loop_grpc(target, metadata, model, tensors, 32, seconds, 10**6).items_per_s
 
 
 def _decode_us_per_item(schema, traffic: Traffic, min_time_s: float = 1.0) -> float:

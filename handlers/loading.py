@@ -16,7 +16,7 @@ from typing import Sequence
 from handlers.runtime.artifacts import Artifact, GraphModel, Runner
 from handlers.runtime.device import worker_device
 from handlers.runtime.archive import Archive
-from handlers.runtime.archive_files import INPUTS, SPEC, WEIGHTS
+from handlers.runtime.archive_files import SPEC, WEIGHTS
 from handlers.runtime.inputs import InputSchema
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.remote.lookups import Shard, ShardCaller, ShardedLookups
@@ -41,7 +41,7 @@ def load_service(
     was registered under (default: the spec's); ``tables_file``: a copy of the archive's weights
     file that holds the tables, mapped instead of it (the working copy that deltas change)."""
     model_dir = Path(model_dir)
-    schema = InputSchema.from_file(model_dir / INPUTS)
+    schema = Archive(model_dir).inputs
     runner = load_runner(model_dir, schema, options, gpu_id, tables_file)
     return ScoringService(schema, runner, model_name, threads_for=options.threads_for)
 

@@ -40,7 +40,7 @@ from handlers.runtime.freshness.worker import LockedRunner, WorkerFreshness
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.remote.lookups import ShardedLookups
 from handlers.runtime.service import ScoringService
-from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH
+from handlers.runtime.wire.v2_answers import HEADER_LENGTH
 from handlers.runtime.wire.transport import Arrival
 from handlers.torchserve_metrics import MetricsPublisher, quiet_per_batch_lines
 

@@ -8,7 +8,7 @@ import sys
 import orjson
 import pytest
 
-from benchmarks.freshness import TARGETS
+from benchmarks.freshness_figures import TARGETS
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration

@@ -22,7 +22,6 @@ from archive_tools.delta import DeltaSource, make_delta, served_rows
 from archive_tools.local_server import LocalTorchServe
 from benchmarks.load import BackgroundLoad
 from benchmarks.traffic import TrafficModel
-from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.freshness.delta_file import DeltaWriter
@@ -30,6 +29,7 @@ from handlers.runtime.freshness.layout import TablesLayout
 from handlers.runtime.freshness.shared_tables import ROOTS, sweep
 from tests.conftest import TINY_SPEC
 from tests.helpers import archive_service, items_request
+from tests.integration.publishing_archives import build, build_paced, checkpoints, damaged, flip_first_row_byte, newer_dense
 
 pytestmark = pytest.mark.integration
 
@@ -37,36 +37,14 @@ SPEC = load_spec(TINY_SPEC)
 REQUESTS = [items_request(SPEC, 4, seed=s, max_bag=3) for s in range(4)]
 
 
-def _checkpoints(folder: Path) -> tuple[Path, Path]:
-    """A base checkpoint and a newer one whose tables moved in 40% of their rows."""
-    model = DLRMFactory(SPEC).float_model(seed=0)
-    base = {k: v.clone() for k, v in model.state_dict().items()}
-    newer = {k: v.clone() for k, v in base.items()}
-    generator = torch.Generator().manual_seed(1)
-    for key, value in newer.items():
-        if ".embedding_bags." in key:
-            touched = torch.rand(value.shape[0], generator=generator) < 0.4
-            value[touched] += 0.05 * torch.randn(value[touched].shape, generator=generator)
-    torch.save(base, folder / "base.pt")
-    torch.save(newer, folder / "newer.pt")
-    return folder / "base.pt", folder / "newer.pt"
-
-
-def _build(checkpoint: Path, store: Path, name: str, artifact: Artifact) -> Path:
-    return build_archive(
-        TINY_SPEC, checkpoint=checkpoint, seed=0, name=name, version="1.0", model_store=store,
-        serving=ServingConfig(batch_size=8, max_batch_delay_ms=5), artifact=artifact,
-    )
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("freshness")
-    base, newer = _checkpoints(root)
+    base, newer = checkpoints(root)
     store = root / "model_store"
     for artifact in (Artifact.EAGER, Artifact.AOTI, Artifact.EXPORTED):
-        _build(base, store, f"tiny_{artifact.value}", artifact)
-    fresh = _build(newer, root / "fresh", "tiny", Artifact.EAGER)  # what a full rebuild serves
+        build(base, store, f"tiny_{artifact.value}", artifact)
+    fresh = build(newer, root / "fresh", "tiny", Artifact.EAGER)  # what a full rebuild serves
     deltas = store / "deltas"
     deltas.mkdir()
     for artifact in (Artifact.EAGER, Artifact.AOTI):
@@ -74,10 +52,10 @@ def setup(tmp_path_factory):
                    deltas / f"{artifact.value}-1.delta", sequence=1)
     make_delta(fresh, DeltaSource(checkpoint=base), deltas / "other-base-1.delta", sequence=1)
     make_delta(store / "tiny_eager.mar", DeltaSource(checkpoint=newer), deltas / "eager-2.delta", sequence=2)
-    newest = _newer_dense(newer)
+    newest = newer_dense(newer)
     make_delta(store / "tiny_aoti.mar", DeltaSource(checkpoint=newest, dense=newest), deltas / "dense-1.delta",
                sequence=1, name="tiny_dense")
-    fresh_dense = _build(newest, root / "fresh_dense", "tiny", Artifact.EAGER)
+    fresh_dense = build(newest, root / "fresh_dense", "tiny", Artifact.EAGER)
     expected = {
         "old": _scores(archive_service(store / "tiny_eager.mar")),
         "new": _scores(archive_service(fresh)),
@@ -86,17 +64,6 @@ def setup(tmp_path_factory):
     assert expected["old"] != pytest.approx(expected["new"], abs=1e-4)
     assert expected["new"] != pytest.approx(expected["dense"], abs=1e-4)
     return {"root": root, "store": store, "deltas": deltas, "expected": expected, "newer": newer}
-
-
-def _newer_dense(checkpoint: Path) -> Path:
-    """``checkpoint`` with its dense layers trained further too."""
-    state = torch.load(checkpoint, weights_only=True)
-    generator = torch.Generator().manual_seed(2)
-    for key, value in state.items():
-        if ".embedding_bags." not in key and value.is_floating_point():
-            value += 0.1 * torch.randn(value.shape, generator=generator)
-    torch.save(state, checkpoint.with_name("newest.pt"))
-    return checkpoint.with_name("newest.pt")
 
 
 def _scores(service) -> list[float]:
@@ -216,23 +183,11 @@ def test_dense_weights_swap_whole_in_every_worker_with_no_failed_request(setup, 
         assert _served(server, model) == pytest.approx(setup["expected"]["old"], abs=1e-6)
 
 
-def _damaged(setup, name: str, damage, source: str = "eager-2.delta") -> str:
-    """A damaged copy of ``source`` (by default the log's next delta)."""
-    data = bytearray((setup["deltas"] / source).read_bytes())
-    (setup["deltas"] / name).write_bytes(bytes(damage(data)))
-    return name
-
-
-def _flip_first_row_byte(data: bytearray) -> bytearray:
-    data[12] ^= 0xFF  # inside the first record's row
-    return data
-
-
 BAD_DELTAS = [
     (lambda setup: "other-base-1.delta", 400, "delta.base"),  # made for an archive of other weights
-    (lambda setup: _damaged(setup, "flipped-1.delta", _flip_first_row_byte, "eager-1.delta"), 400, "other contents"),
-    (lambda setup: _damaged(setup, "truncated.delta", lambda d: d[: len(d) // 2]), 400, "truncated"),
-    (lambda setup: _damaged(setup, "flipped.delta", _flip_first_row_byte), 400, "xxh3_128"),
+    (lambda setup: damaged(setup, "flipped-1.delta", flip_first_row_byte, "eager-1.delta"), 400, "other contents"),
+    (lambda setup: damaged(setup, "truncated.delta", lambda d: d[: len(d) // 2]), 400, "truncated"),
+    (lambda setup: damaged(setup, "flipped.delta", flip_first_row_byte), 400, "xxh3_128"),
     (lambda setup: "../base.pt", 400, "paths are refused"),
     (lambda setup: "missing.delta", 404, "no 'missing.delta'"),
 ]
@@ -380,7 +335,7 @@ def _unpacked_folder(setup, tmp_path) -> Path:
 def test_workers_killed_during_an_apply_resume_it(setup, server, tmp_path):
     """A model whose deltas are written at 100 rows/s (643 rows: about 6 s): both its workers are killed halfway through
     one; their replacements finish it from where the state file says, before they serve."""
-    _build_paced(setup["root"] / "base.pt", setup["store"], "tiny_slow")
+    build_paced(setup["root"] / "base.pt", setup["store"], "tiny_slow")
     assert server.register("tiny_slow.mar", initial_workers=2).status_code == 200
     assert _publish(server, "tiny_slow", "eager-1.delta").status_code == 200
 
@@ -428,10 +383,3 @@ def test_rollbacks_restore_the_rows_a_killed_writer_and_a_writer_midway_had_kept
     state = _rolled_back(server, model, timeout_s=60)
     assert (state["applied_sequence"], state["log_head"], state.get("error")) == (0, 0, None), state
     assert _served(server, model) == pytest.approx(setup["expected"]["old"], abs=1e-6)
-
-
-def _build_paced(checkpoint: Path, store: Path, name: str) -> Path:
-    return build_archive(
-        TINY_SPEC, checkpoint=checkpoint, seed=0, name=name, version="1.0", model_store=store,
-        serving=ServingConfig(batch_size=8, max_batch_delay_ms=5, delta_rows_per_s=100),
-    )

@@ -17,7 +17,7 @@ from archive_tools.build import build_archive
 from archive_tools.model_config import ServingConfig
 from archive_tools.client import ScoringClient
 from archive_tools.local_server import LocalTorchServe
-from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH
+from handlers.runtime.wire.v2_answers import HEADER_LENGTH
 from handlers.runtime.wire.v2_tensors import V2Error, encode_request
 from tests.conftest import RANKER_SPEC, TINY_SPEC
 from tests.helpers import items_request

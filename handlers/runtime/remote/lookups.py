@@ -39,7 +39,7 @@ from handlers.runtime.inputs import JaggedIds
 from handlers.runtime.remote.plan import Deadline, ShardRoute
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.messages import BinaryBody
-from handlers.runtime.wire.kserve_v2 import EMBEDDINGS, HEADER_LENGTH
+from handlers.runtime.wire.v2_answers import EMBEDDINGS, HEADER_LENGTH
 from handlers.runtime.wire.v2_tensors import V2Error, decode_response, encode_request
 
 # gRPC settings of every shard channel: reconnect soon after a replica comes back (gRPC's default

@@ -32,7 +32,8 @@ from handlers.runtime.wire.json_values import (
     refuse_duplicate_keys,
     reject_unknown,
 )
-from handlers.runtime.wire.kserve_v2 import HEADER_LENGTH, V2Decoder
+from handlers.runtime.wire.kserve_v2 import V2Decoder
+from handlers.runtime.wire.v2_answers import HEADER_LENGTH
 from handlers.runtime.wire.messages import BinaryBody, DecodedRequest, JsonEncoder, Rejected
 from handlers.runtime.wire.transport import Arrival, opened
 

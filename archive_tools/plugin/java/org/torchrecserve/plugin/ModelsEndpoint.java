@@ -3,21 +3,15 @@ package org.torchrecserve.plugin;
 import com.google.gson.JsonArray;
 import com.google.gson.JsonElement;
 import com.google.gson.JsonObject;
-import com.google.gson.JsonParser;
 import io.netty.handler.codec.http.QueryStringDecoder;
 import java.io.File;
 import java.io.IOException;
-import java.io.InputStream;
-import java.nio.charset.StandardCharsets;
-import java.nio.file.Files;
 import java.util.ArrayList;
 import java.util.List;
 import java.util.Map;
 import java.util.concurrent.ConcurrentHashMap;
 import java.util.concurrent.TimeUnit;
 import java.util.regex.Pattern;
-import java.util.zip.ZipEntry;
-import java.util.zip.ZipFile;
 import org.pytorch.serve.archive.model.Manifest;
 import org.pytorch.serve.archive.model.ModelArchive;
 import org.pytorch.serve.archive.model.ModelConfig;
@@ -292,7 +286,7 @@ public final class ModelsEndpoint extends ModelServerEndpoint {
 
     /** A 409 before anything is unpacked, when the archive's name and version are registered. */
     private static void refuseDuplicate(File entry, String nameParam) {
-        JsonObject manifest = manifest(entry);
+        JsonObject manifest = ArchiveFiles.manifestModel(entry);
         if (manifest == null) {
             return; // unreadable here: TorchServe's own check still applies
         }
@@ -304,29 +298,6 @@ public final class ModelsEndpoint extends ModelServerEndpoint {
                 throw new ConflictStatusException(
                         "Model version " + version + " is already registered for model " + name);
             }
-        }
-    }
-
-    private static JsonObject manifest(File entry) {
-        String path = ArchiveFiles.MANIFEST;
-        try {
-            String text;
-            if (entry.isDirectory()) {
-                text = Files.readString(new File(entry, path).toPath());
-            } else {
-                try (ZipFile zip = new ZipFile(entry)) {
-                    ZipEntry manifest = zip.getEntry(path);
-                    if (manifest == null) {
-                        return null;
-                    }
-                    try (InputStream in = zip.getInputStream(manifest)) {
-                        text = new String(in.readAllBytes(), StandardCharsets.UTF_8);
-                    }
-                }
-            }
-            return JsonParser.parseString(text).getAsJsonObject().getAsJsonObject("model");
-        } catch (Exception e) {
-            return null;
         }
     }
 
