@@ -4,13 +4,14 @@ bf16 layers, TorchAO int8 weights whose one-element scales must stay swappable c
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from tests.helpers import archive_service
 from archive_tools.build import build_archive
-from archive_tools.model_config import ServingConfig
 from archive_tools.delta import DeltaSource, make_delta
+from archive_tools.model_config import ServingConfig
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
 from handlers.runtime.artifacts import Artifact
@@ -19,7 +20,7 @@ from handlers.runtime.freshness.dense import dense_slot
 from handlers.runtime.freshness.layout import TablesLayout
 from handlers.runtime.split import SplitPlan
 from tests.conftest import TINY_SPEC
-from tests.helpers import items_request
+from tests.helpers import archive_service, items_request
 
 KINDS = {
     "eager": (Artifact.EAGER, None),
@@ -48,8 +49,18 @@ def setup(tmp_path_factory):
     return root, spec_file, requests
 
 
+_BUILT: dict[tuple[Path, str, str], Path] = {}  # built once per module run: the tests only read them
+
+
 def _build(setup, kind: str, checkpoint: str):
     root, spec_file, _ = setup
+    key = (root, kind, checkpoint)
+    if key not in _BUILT:
+        _BUILT[key] = _built(root, spec_file, kind, checkpoint)
+    return _BUILT[key]
+
+
+def _built(root: Path, spec_file: Path, kind: str, checkpoint: str) -> Path:
     artifact, split = KINDS[kind]
     return build_archive(spec_file, checkpoint=root / checkpoint, seed=0, name=f"{kind}-{checkpoint[:-3]}", version="1",
                          model_store=root / "store", serving=ServingConfig(), artifact=artifact, split=split,

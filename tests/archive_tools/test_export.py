@@ -38,6 +38,13 @@ def exported(request, tmp_path_factory, tiny_spec, tiny_weights, ranker_spec, ra
     return spec, eager, program, path
 
 
+@pytest.fixture(scope="module")
+def compiled(exported, tmp_path_factory):
+    """The exported program compiled once by AOTInductor; each test loads its own copy of it."""
+    _, _, program, _ = exported
+    return compile_aoti(program, tmp_path_factory.mktemp("aoti") / "model_aoti.pt2")
+
+
 @pytest.mark.parametrize("sizes", [(1,), (2, 7), (200, 1, 30)])
 def test_exported_program_equals_eager(exported, sizes):
     spec, eager, _, path = exported
@@ -47,22 +54,20 @@ def test_exported_program_equals_eager(exported, sizes):
         torch.testing.assert_close(graph(batch), eager.model(batch), atol=0, rtol=0)
 
 
-def test_aoti_package_equals_eager(exported, tmp_path):
-    spec, eager, program, _ = exported
-    path = compile_aoti(program, tmp_path / "model_aoti.pt2")
-    graph = GraphModel(path, Artifact.AOTI, eager.tags)
+def test_aoti_package_equals_eager(exported, compiled):
+    spec, eager, _, _ = exported
+    graph = GraphModel(compiled, Artifact.AOTI, eager.tags)
     for sizes in ((1,), (64, 3)):
         batch = _batch(spec, eager, sizes, seed=5)
         with torch.inference_mode():
             torch.testing.assert_close(graph(batch), eager.model(batch), atol=1e-6, rtol=1e-5)
 
 
-def test_a_batch_with_every_bag_empty_scores_as_eager(exported, tmp_path):
+def test_a_batch_with_every_bag_empty_scores_as_eager(exported, compiled):
     """A captured graph asserts that its jagged input holds some id; the service pads such a
     batch with a request that holds one (its output dropped)."""
-    spec, eager, program, path = exported
-    graphs = [GraphModel(path, Artifact.EXPORTED, eager.tags),
-              GraphModel(compile_aoti(program, tmp_path / "model_aoti.pt2"), Artifact.AOTI, eager.tags)]
+    spec, eager, _, path = exported
+    graphs = [GraphModel(path, Artifact.EXPORTED, eager.tags), GraphModel(compiled, Artifact.AOTI, eager.tags)]
     body = items_request(spec, 3, seed=4)
     for item in body["items"]:
         item["sparse"] = {}
@@ -73,14 +78,13 @@ def test_a_batch_with_every_bag_empty_scores_as_eager(exported, tmp_path):
         torch.testing.assert_close(scores, expected, atol=1e-6, rtol=1e-5)
 
 
-def test_aoti_package_maps_its_tables_and_uses_them_in_place(exported, tmp_path):
+def test_aoti_package_maps_its_tables_and_uses_them_in_place(exported, compiled):
     """The package holds code only: its weights file is memory-mapped at load, and the compiled
     model reads the mapped tables themselves (zeroing them changes its scores)."""
-    spec, eager, program, _ = exported
-    path = compile_aoti(program, tmp_path / "model_aoti.pt2")
-    graph = GraphModel(path, Artifact.AOTI, eager.tags)
+    spec, eager, _, _ = exported
+    graph = GraphModel(compiled, Artifact.AOTI, eager.tags)
     tables = [t for name, t in graph.run.original.items() if name.endswith("weights_host")]
-    assert tables and all(is_file_mapped(t, aoti_weights_file(path)) for t in tables)
+    assert tables and all(is_file_mapped(t, aoti_weights_file(compiled)) for t in tables)
     batch = _batch(spec, eager, (4, 2), seed=8)
     with torch.inference_mode():
         before = graph(batch)

@@ -12,7 +12,7 @@ from handlers.runtime.wire.decoder import RequestDecoder
 from handlers.runtime.wire.json_values import refuse_duplicate_keys
 from handlers.runtime.wire.messages import Rejected
 from handlers.runtime.wire.transport import Arrival, opened
-from tests.handlers.runtime.test_decode import _v2 as v2_body
+from tests.handlers.runtime.test_decode_v2 import _v2 as v2_body
 
 ITEM = {"dense": [0.1, 0.2, 0.3, 0.4], "sparse": {"user_id": [1, 2], "item_id": [3]}}
 BODY = json.dumps({"items": [ITEM, ITEM]}).encode()

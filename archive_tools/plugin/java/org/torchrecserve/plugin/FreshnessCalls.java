@@ -71,11 +71,17 @@ final class FreshnessCalls {
             if (refused.isFile() && request.delete()) { // unclaimed, and no worker of this archive will
                 throw new ConflictStatusException(Guard.label(model) + ": " + field(read(refused), "message"));
             }
-            if (System.nanoTime() > deadline && request.delete()) { // unclaimed: taken back
+            long now = System.nanoTime();
+            if (now > deadline && request.delete()) { // unclaimed: taken back
                 throw new RequestTimeoutException(Guard.label(model) + ": no worker took the freshness call within "
                         + timeoutS + " s (responseTimeout); are its workers still loading?");
             }
-            Thread.sleep(POLL_MS); // once claimed, the worker's reply is awaited: it may be checking a large delta
+            // once claimed, the reply is awaited longer (the worker may be checking a large delta), not for ever
+            if (now > deadline + TimeUnit.SECONDS.toNanos(timeoutS)) {
+                throw new RequestTimeoutException(Guard.label(model) + ": a worker took the freshness call and did not "
+                        + "answer within " + 2 * timeoutS + " s (did it stop?); the call may be made again");
+            }
+            Thread.sleep(POLL_MS);
         }
         JsonObject answer = read(reply);
         Files.deleteIfExists(reply.toPath());
