@@ -48,9 +48,10 @@ demo: setup
 	$(BIN)/python examples/demo.py
 
 # Two processes, a test file each at a time (its servers and archives stay its own): most tests
-# wait on servers and loads, so two share this machine's two cores well. The ten slowest are listed.
+# wait on servers and loads, so two share this machine's two cores well. Files go in the order
+# tests/conftest.py gives (the slowest first), and the ten slowest tests are listed.
 test: setup
-	$(BIN)/python -m pytest -v -n 2 --dist loadfile --durations=10 tests
+	$(BIN)/python -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder --durations=10 tests
 
 bench: setup
 	$(BIN)/torchrec-serve bench $(SCENARIO)

@@ -35,6 +35,7 @@ from archive_tools.delta import DeltaSource, make_delta, verify_delta
 from archive_tools.distributed import build_distributed, split_delta
 from archive_tools.launcher import LayoutFile, LocalLayout
 from archive_tools.local_server import LocalTorchServe, PortTaken, ServerDied
+from archive_tools.plugin import PluginBuildError
 from archive_tools.resources import spec_path
 from archive_tools.validation_data import ValidationDataError, read_validation
 from archive_tools.verification import Bounds, generated_validation, verify
@@ -58,6 +59,7 @@ EXIT_CODES = {
     ValidationDataError: 5,
     ServerDied: 6,
     PortTaken: 6,
+    PluginBuildError: 6,
     FileNotFoundError: 7,
     FileExistsError: 7,
     VerificationFailed: 8,

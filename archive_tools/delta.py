@@ -16,6 +16,7 @@ changed row is byte-identical to what a full build from the checkpoint holds (``
 from __future__ import annotations
 
 import contextlib
+import pickle
 import dataclasses
 import tempfile
 from pathlib import Path
@@ -204,8 +205,20 @@ def _from_checkpoint(base: _Base, checkpoint: Path) -> Iterator[tuple[TableLayou
                 bar.update(end - start)
 
 
+def read_rows_file(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """A rows file, ``{table: {"ids": int64 [n], "rows": float [n, dim]}}``; anything else is
+    refused naming the file."""
+    try:
+        given = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:  # not a torch file, or not plain tensors
+        raise InputError(f"{path}: not a rows file torch can load: {str(e).splitlines()[0]}") from None
+    if not isinstance(given, dict) or not all(isinstance(e, dict) and {"ids", "rows"} <= set(e) for e in given.values()):
+        raise InputError(f"{path}: must map each table's name to {{'ids': int64 [n], 'rows': float [n, dim]}}")
+    return given
+
+
 def _from_rows(base: _Base, path: Path) -> Iterator[tuple[TableLayout, np.ndarray, np.ndarray]]:
-    given = torch.load(path, map_location="cpu", weights_only=True)
+    given = read_rows_file(path)
     for name, entry in given.items():
         table = base.layout.table(name)
         if table is None:

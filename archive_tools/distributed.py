@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from archive_tools.capture import capture, check_capturable
-from archive_tools.delta import DeltaSource, DeltaSummary, make_delta
+from archive_tools.delta import DeltaSource, DeltaSummary, make_delta, read_rows_file
 from archive_tools.model_config import ServingConfig
 from archive_tools.pipeline import (
     archive_bytes,
@@ -212,7 +212,7 @@ def split_delta(dense_archive: Path, rows: Path, sequence: int) -> list[DeltaSum
             options = archive.options
         if options.remote is None:
             raise InputError(f"{dense_archive}: not a dense archive of a distributed layout ({options.describe()})")
-        given = torch.load(rows, map_location="cpu", weights_only=True)
+        given = read_rows_file(rows)
         shard_of = {}
         for route in options.remote.shards:
             with Archive.open(_archive_in(store, route.model)) as shard:

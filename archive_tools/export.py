@@ -24,13 +24,13 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from archive_tools.torch_internals import kept_as_constants
 from handlers.modeling import tbe
 from handlers.modeling.eager import PlainInputs
 from handlers.runtime.archive_files import aoti_weights_file
 from handlers.runtime.batching import Batch, plain_arguments
 from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds
 from handlers.runtime.quiet import quieter
+from handlers.runtime.torch_internals import kept_as_constants
 
 # torch's own pytree code, when a program is saved or compiled, trips its own deprecation warning.
 _PYTREE_DEPRECATION = (r"`isinstance\(treespec, LeafSpec\)` is deprecated",)

@@ -78,7 +78,10 @@ class LayoutFile:
     @classmethod
     def read(cls, path: str | Path) -> "LayoutFile":
         path = Path(path)
-        raw = yaml.safe_load(path.read_text())
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise InputError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise InputError(f"{path}: must be a mapping with model_store, dense and shards")
         unknown = sorted(set(raw) - {"model_store", "dense", "shards"})

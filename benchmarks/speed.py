@@ -45,7 +45,6 @@ from handlers.modeling.registry import input_schema, load_spec  # noqa: E402
 from handlers.runtime.wire.decoder import RequestDecoder  # noqa: E402
 
 NOOP_HANDLER = Path(__file__).resolve().parent / "noop_handler.py"
-TUNED_EXAMPLE_ITEMS_PER_S = 3900.0  # TorchServe's DLRM example, one thread, Criteo-100k shape
 TUNED_EXAMPLE_P99_MS = 23.0
 
 

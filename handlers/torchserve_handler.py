@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import torch
 
 from handlers.loading import load_service
 from handlers.runtime.freshness.config import FreshnessConfig

@@ -92,6 +92,10 @@ def is_file_mapped(tensor: torch.Tensor, path) -> bool:
     return True
 
 
+_OPEN: list[Archive] = []  # a .mar's unpacked files stay for the session: its services run on them
+
+
 def archive_service(archive: Path) -> ScoringService:
     """A built archive (``.mar`` or folder) loaded in this process as a worker loads it."""
-    return load_archive(Archive.open(archive))
+    _OPEN.append(Archive.open(archive))
+    return load_archive(_OPEN[-1])

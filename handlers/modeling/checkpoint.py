@@ -8,6 +8,7 @@ and matches the model once it is stripped, is loaded with it stripped (and says 
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -25,7 +26,10 @@ WRAPPER_PREFIXES = {
 
 def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     """A saved state dict, plain or wrapped as ``{"state_dict": ...}`` / ``{"model": ...}``."""
-    obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    try:
+        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:  # not a torch file, or not plain tensors
+        raise CheckpointError(f"{path}: not a checkpoint torch can load: {str(e).splitlines()[0]}") from None
     for wrapper in ("state_dict", "model"):
         if isinstance(obj, dict) and set(obj) == {wrapper}:
             obj = obj[wrapper]

@@ -96,7 +96,10 @@ class Archive:
     @functools.cached_property
     def model_config(self) -> dict[str, Any]:
         """``model-config.yaml``: TorchServe's settings and the handler, guard, freshness sections."""
-        return yaml.safe_load(self.file(MODEL_CONFIG).read_text()) or {}
+        try:
+            return yaml.safe_load(self.file(MODEL_CONFIG).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise InputError(f"{self.path}: {MODEL_CONFIG} is not valid YAML: {e}") from None
 
     @functools.cached_property
     def options(self) -> HandlerOptions:
@@ -113,7 +116,7 @@ class Archive:
         return TablesLayout.load(self.file(TABLES).parent) if self.has(TABLES) else None
 
     def tables_file(self) -> Path:
-        """The file that holds the tables (taken out of a ``.mar``); raises ``ValueError`` naming
+        """The file that holds the tables (taken out of a ``.mar``); raises ``InputError`` naming
         why where deltas cannot reach them."""
         name, why = tables_file_name(self.options)
         if name is None:

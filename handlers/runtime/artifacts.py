@@ -32,6 +32,7 @@ from handlers.runtime.freshness.delta_file import DenseShapes, dense_shapes
 from handlers.runtime.freshness.dense import is_table_constant
 from handlers.runtime.inputs import InputTag
 from handlers.runtime.quiet import quieter
+from handlers.runtime.torch_internals import run_package
 
 # A loaded model, whatever its artifact: the coalesced batch -> logits [N, 1].
 Runner = Callable[[Batch], torch.Tensor]
@@ -83,7 +84,7 @@ class CompiledPackage:
         # The loader unpacks the package (TorchRec's TBE objects beside its library) for its life.
         self.model = aoti_load_package(str(path))
         self._lock = threading.Lock()
-        names = set(self.model.loader.get_constant_fqns())
+        names = set(self.model.get_constant_fqns())
         self.original = torch.load(weights or aoti_weights_file(path), mmap=True, weights_only=True)
         missing = sorted(names - set(self.original))
         if missing:
@@ -93,7 +94,7 @@ class CompiledPackage:
 
     def __call__(self, *arguments: torch.Tensor) -> torch.Tensor:
         with self._lock:
-            (output,) = self.model.loader.run(list(arguments))
+            (output,) = run_package(self.model, arguments)
         return output
 
     def swap(self, changed: Mapping[str, torch.Tensor]) -> None:
@@ -109,7 +110,7 @@ class CompiledPackage:
 
     def _load(self, constants: Mapping[str, torch.Tensor]) -> None:
         """Every constant, into the active buffer, user-managed (kept, not copied)."""
-        self.model.loader.load_constants(dict(constants), False, True, True)
+        self.model.load_constants(dict(constants), check_full_update=True, user_managed=True)
 
 
 class GraphModel:

@@ -202,3 +202,17 @@ def test_the_projects_own_errors_keep_their_exit_codes(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         "torchrec-serve build: error: --init quantized makes random tables; it does not read --checkpoint"
     )
+
+
+def test_files_that_are_not_what_they_should_be_are_the_users_errors_not_internal_ones(tmp_path, capsys):
+    (tmp_path / "notes.pt").write_text("not a torch file")
+    assert build(["--spec", "tiny", "--checkpoint", str(tmp_path / "notes.pt"), "--model-store", str(tmp_path)]) == 4
+    assert f"{tmp_path / 'notes.pt'}: not a checkpoint torch can load" in capsys.readouterr().err
+    assert build(["--spec", "tiny", "--model-store", str(tmp_path)]) == 0
+    capsys.readouterr()
+    torch.save({"t_user": [1, 2]}, tmp_path / "rows.pt")
+    delta = ["delta", str(tmp_path / "tiny.mar"), "--sequence", "1", "--out", str(tmp_path / "d.delta")]
+    assert main([*delta, "--rows", str(tmp_path / "rows.pt")]) == 2
+    assert "must map each table's name to {'ids'" in capsys.readouterr().err
+    assert main([*delta, "--rows", str(tmp_path / "notes.pt")]) == 2
+    assert f"{tmp_path / 'notes.pt'}: not a rows file torch can load" in capsys.readouterr().err

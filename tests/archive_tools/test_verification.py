@@ -62,11 +62,15 @@ def test_labelled_validation_file_is_used(tmp_path, tiny_spec):
     model = DLRMFactory(tiny_spec).float_model(seed=0)
     scored = [(float(p), label) for k in range(8) for p, label in
               zip(float_scores(model, tiny_spec, items_request(tiny_spec, 5, seed=k)), [k % 2, 1, 0, 1, 0])]
+    assert report["reference"]["auc"] == pytest.approx(_pairwise_auc(scored), abs=1e-6)
+
+
+def _pairwise_auc(scored: list[tuple[float, int]]) -> float:
+    """The share of (positive, negative) pairs the scores order right, ties half."""
     positives = [p for p, label in scored if label == 1]
     negatives = [p for p, label in scored if label == 0]
     wins = sum((p > n) + 0.5 * (p == n) for p in positives for n in negatives)
-    assert report["reference"]["auc"] == pytest.approx(wins / (len(positives) * len(negatives)), abs=1e-6)
-    assert report["reference"]["auc"] - report["served"]["auc"] <= Bounds().max_auc_drop  # the gate's own bound
+    return wins / (len(positives) * len(negatives))
 
 
 def test_gate_refuses_a_broken_transformation(tmp_path, monkeypatch):
@@ -197,5 +201,9 @@ def test_a_criteo_tsv_verifies_a_criteo_shaped_archive(tmp_path):
     )
     report = orjson.loads((archive.parent / "criteo_small.verification.json").read_bytes())
     assert report["items"] == 200 and report["requests"] == 4
-    assert 0.0 <= report["served"]["auc"] <= 1.0 and report["passed"]
-    assert report["reference"]["auc"] - report["served"]["auc"] <= Bounds().max_auc_drop
+    # the float model's AUC on the file's labels, counted pair by pair (its large ids hashed here)
+    data = read_validation(tmp_path / "eval.tsv", small)
+    model = DLRMFactory(small).float_model(seed=0)
+    scored = [(float(p), label) for request, labels in zip(data.requests, data.labels)
+              for p, label in zip(float_scores(model, small, request), labels)]
+    assert report["reference"]["auc"] == pytest.approx(_pairwise_auc(scored), abs=1e-6)

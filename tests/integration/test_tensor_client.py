@@ -4,9 +4,7 @@ path's, and bad binary input is a 4xx naming the tensor."""
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import numpy as np

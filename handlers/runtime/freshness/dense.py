@@ -1,9 +1,9 @@
-"""Dense weights swap whole: a delta's dense section is loaded into an inactive copy, which then
-replaces the served weights between forwards, in each worker on its own (dense weights are private
-to a worker; only the tables are shared).
+"""Dense weights swap whole: a delta's dense section is loaded as a new set of weights, which then
+replaces the served ones between forwards, in each worker on its own (dense weights are private to
+a worker; only the tables are shared).
 
-A runner that can swap implements ``DenseSlot``: an AOTInductor package (its inactive constant
-buffer, ``CompiledPackage.swap``), an eager model (a second model around the same mapped tables,
+A runner that can swap implements ``DenseSlot``: an AOTInductor package (its constants handed
+over whole between two runs, ``CompiledPackage.swap``), an eager model (a second model around the same mapped tables,
 ``SwappableEagerModel``), or a split model's dense part when that is one of these. An exported
 program cannot: ``dense_slot`` says why.
 

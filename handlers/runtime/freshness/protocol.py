@@ -143,6 +143,11 @@ class Mailbox:
         self.folder.mkdir(exist_ok=True)
         _write_whole(self.folder / REFUSED, orjson.dumps({"message": why}))
 
+    def accept(self) -> None:
+        """This worker answers calls: an earlier refusal (a copy that could not be made then) goes."""
+        self.folder.mkdir(exist_ok=True)
+        (self.folder / REFUSED).unlink(missing_ok=True)
+
     def answer_waiting(self, answer: Callable[[Call], Reply]) -> int:
         """Claims the calls waiting (another worker may claim one first) and replies to each;
         how many this worker answered."""
@@ -153,8 +158,12 @@ class Mailbox:
                 os.rename(call, claimed)
             except FileNotFoundError:
                 continue  # another worker's now
-            _write_whole(call.with_suffix(REPLY), reply_bytes(claimed.read_bytes(), answer))
-            claimed.unlink()
+            try:
+                _write_whole(call.with_suffix(REPLY), reply_bytes(claimed.read_bytes(), answer))
+                claimed.unlink()
+            except OSError:  # the plugin times the call out; this worker goes on serving and answering
+                logger.exception("could not answer the freshness call %s", call.name)
+                continue
             answered += 1
         return answered
 

@@ -6,9 +6,10 @@ folder before the first worker loads. The workers serve, and the writer changes,
 of the archive's tables in shared memory (``freshness.shared_tables``), whose folder also keeps
 the copy's state. At load, a worker applies whatever the log holds beyond that state before it
 serves (a restarted server serves what it served before), at ``CATCH_UP_ROWS_PER_S``. Afterwards
-every worker follows the log (``freshness.follower``): the one that holds the writer lock applies
-new deltas at the model's pace; if it dies, another takes the lock and resumes where the state
-file says. The same thread answers the plugin's calls.
+every worker follows the log (``freshness.follower``, on a thread at the lowest priority): the one
+that holds the writer lock applies new deltas at the model's pace; if it dies, another takes the
+lock and resumes where the state file says. Another thread, at serving's priority, answers the
+plugin's calls, so that a long apply or a busy machine does not hold them up.
 
 Dense weights are each worker's own: once the rows of a delta with a dense section are applied,
 every worker swaps the section's weights in whole (``freshness.dense``) at its next look at the
@@ -63,8 +64,8 @@ from handlers.runtime.options import HandlerOptions
 logger = logging.getLogger(__name__)
 
 WORKERS_FOLDER = "freshness-workers"
-TICK_S = 0.05  # the plugin's calls are answered this often
-FOLLOW_EVERY_TICKS = 4  # and the log is looked at every 0.2 s
+CALLS_EVERY_S = 0.05  # how often the plugin's calls are looked for
+FOLLOW_EVERY_S = 0.2  # how often the log is
 SWEEP_EVERY_S = 60.0  # copies of tables no worker serves any more are removed
 # A loading worker's replay of the log: about a quarter of a core here. Faster, it would fill the
 # cores that an older version serves on (see ``freshness.background``).
@@ -83,7 +84,7 @@ class WorkerFreshness:
         self.lock = RowLock(self.folder)
         self.follower: LogFollower | None = None  # every worker may become the writer: made at start
         self.dense: DenseFollower | str = "the model is not loaded yet"  # or why it cannot swap dense weights
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self.tables_pinned: bool | None = None  # this process's mappings of the copy all mapped, locked
         self.error: str | None = None
 
@@ -110,6 +111,7 @@ class WorkerFreshness:
             why = f"no working copy of the tables could be made ({e}); free memory or set freshness.tables_dir"
             Mailbox(model_dir).refuse(why)
             return why
+        Mailbox(model_dir).accept()
         return cls(model_dir, tables, layout, config.pace)
 
     @staticmethod
@@ -139,8 +141,10 @@ class WorkerFreshness:
         # The follower thread shares this process's GIL with the forwards: let a forward take it
         # back within 1 ms rather than Python's default 5.
         sys.setswitchinterval(0.001)
-        self._thread = threading.Thread(target=self._follow, name="freshness", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._follow, name="freshness", daemon=True),
+                         threading.Thread(target=self._answer_calls, name="freshness-calls", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     def _prepare(self) -> None:
         """The tables mapped, pinned and brought up to the log's head, with the dense weights
@@ -170,15 +174,16 @@ class WorkerFreshness:
             logger.info("pinned %.1f GiB of table mappings in %.2fs", pinned / 2**30, time.perf_counter() - started)
         self.tables_pinned = writer.pinned = not isinstance(pinned, str)
 
+    def _answer_calls(self) -> None:
+        while True:
+            time.sleep(CALLS_EVERY_S)
+            self.mailbox.answer_waiting(self.answer)
+
     def _follow(self) -> None:
         lower_this_thread()  # serving first: the writer gets the cores' idle time
-        swept, ticks = time.monotonic(), 0
+        swept = time.monotonic()
         while True:
-            time.sleep(TICK_S)
-            self.mailbox.answer_waiting(self.answer)
-            ticks += 1
-            if ticks % FOLLOW_EVERY_TICKS:
-                continue
+            time.sleep(FOLLOW_EVERY_S)
             if time.monotonic() - swept > SWEEP_EVERY_S:
                 sweep(self.tables.roots)
                 swept = time.monotonic()

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from handlers.runtime.errors import BadRequest
 from handlers.runtime.inputs import InputSchema

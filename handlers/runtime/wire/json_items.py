@@ -12,7 +12,6 @@ import itertools
 from typing import Any
 
 import numpy as np
-import torch
 
 from handlers.runtime.errors import BadRequest
 from handlers.runtime.inputs import InputSchema

@@ -63,11 +63,18 @@ final class Freshness {
         return "has no " + ArchiveFiles.TABLES + ": rebuild its archive with this version to publish deltas";
     }
 
-    /** Names the log in the model's folder (before its workers load). */
+    /**
+     * Names the log in the model's folder (before its workers load), and empties its mailbox of
+     * what an earlier registration left (a refusal, a call a stopped worker had taken).
+     */
     static void writePointer(String modelName, File modelDir) throws IOException {
         File log = logDir(modelName, modelDir);
         if (log == null) {
             return;
+        }
+        File[] left = new File(modelDir, ArchiveFiles.MAILBOX).listFiles();
+        for (File file : left == null ? new File[0] : left) {
+            Files.deleteIfExists(file.toPath());
         }
         String json = Replies.COMPACT.toJson(Map.of("log", log.getPath()));
         Files.writeString(new File(modelDir, ArchiveFiles.LOG_POINTER).toPath(), json, StandardCharsets.UTF_8);

@@ -161,27 +161,8 @@ public final class ModelsEndpoint extends ModelServerEndpoint {
         }
         refuseDuplicate(entry, request.getModelName());
 
-        ConfigManager config = ConfigManager.getInstance();
         ModelManager manager = ModelManager.getInstance();
-        Manifest.RuntimeType runtime;
-        try {
-            runtime = request.getRuntime() == null ? null : Manifest.RuntimeType.fromValue(request.getRuntime());
-        } catch (IllegalArgumentException e) {
-            throw new BadRequestException(e);
-        }
-        ModelArchive archive = manager.registerModel(
-                url,
-                request.getModelName(),
-                runtime,
-                request.getHandler(),
-                request.getBatchSize(),
-                request.getMaxBatchDelay(),
-                request.getResponseTimeout() == -1 ? config.getDefaultResponseTimeout() : request.getResponseTimeout(),
-                request.getStartupTimeout() == -1 ? config.getDefaultStartupTimeout() : request.getStartupTimeout(),
-                null,
-                false,
-                false,
-                false);
+        ModelArchive archive = registerArchive(manager, request, url);
         String name = archive.getModelName();
         String version = archive.getModelVersion();
         Freshness.writePointer(name, archive.getModelDir()); // workers replay the delta log at load
@@ -215,6 +196,31 @@ public final class ModelsEndpoint extends ModelServerEndpoint {
                     manager.unregisterModel(name, version);
                     return null;
                 }));
+    }
+
+    /** TorchServe's own registration of the archive, with its defaults for what the call leaves out. */
+    private static ModelArchive registerArchive(ModelManager manager, RegisterModelRequest request, String url)
+            throws Exception {
+        ConfigManager config = ConfigManager.getInstance();
+        Manifest.RuntimeType runtime;
+        try {
+            runtime = request.getRuntime() == null ? null : Manifest.RuntimeType.fromValue(request.getRuntime());
+        } catch (IllegalArgumentException e) {
+            throw new BadRequestException(e);
+        }
+        return manager.registerModel(
+                url,
+                request.getModelName(),
+                runtime,
+                request.getHandler(),
+                request.getBatchSize(),
+                request.getMaxBatchDelay(),
+                request.getResponseTimeout() == -1 ? config.getDefaultResponseTimeout() : request.getResponseTimeout(),
+                request.getStartupTimeout() == -1 ? config.getDefaultStartupTimeout() : request.getStartupTimeout(),
+                null,
+                false,
+                false,
+                false);
     }
 
     private void scale(String name, String version, QueryStringDecoder query, Response rsp) throws Exception {

@@ -1,5 +1,5 @@
-"""What the project relies on in torch beyond its documented API (``archive_tools.torch_internals``)
-and in its AOTInductor loader (``handlers.runtime.artifacts.CompiledPackage``). Each test names
+"""What the project relies on in torch beyond its documented API (``handlers.runtime.torch_internals``)
+and in torch's AOTInductor loader (``handlers.runtime.artifacts.CompiledPackage``). Each test names
 the assumption it checks, so a torch upgrade that breaks one fails here by name."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import inspect
 import torch
 
 from archive_tools.export import compile_aoti
-from archive_tools.torch_internals import kept_as_constants
 from handlers.runtime.archive_files import aoti_weights_file
 from handlers.runtime.artifacts import CompiledPackage
+from handlers.runtime.torch_internals import kept_as_constants, run_package
 
 
 class _SmallBias(torch.nn.Module):
@@ -53,15 +53,20 @@ def test_a_small_bias_stays_a_swappable_constant_of_the_package(tmp_path):
     torch.testing.assert_close(loaded(x), model(x) + 1.0, rtol=0, atol=1e-6)
 
 
-def test_the_public_aoti_loader_takes_user_managed_constants_by_name(tmp_path):
-    """CompiledPackage uses aoti_load_package(path).loader's get_constant_fqns(), run(list) and
-    load_constants(constants, use_inactive, check_full_update, user_managed); with user_managed
-    the package reads our tensors in place (a change to one shows in the next run)."""
+def test_the_aoti_loader_takes_user_managed_constants_and_runs_flat_tensors(tmp_path):
+    """CompiledPackage uses aoti_load_package(path)'s public get_constant_fqns() and
+    load_constants(constants, check_full_update=, user_managed=), and (run_package) its loader's
+    private run(list of tensors); with user_managed the package reads our tensors in place (a
+    change to one shows in the next run)."""
     model = _SmallBias().eval()
     x = torch.randn(2, 4)
     program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("n", min=2, max=64)},))
     loaded = CompiledPackage(compile_aoti(program, tmp_path / "model_aoti.pt2"))
-    assert set(loaded.model.loader.get_constant_fqns()) == {"linear.weight", "linear.bias"}
+    assert set(loaded.model.get_constant_fqns()) == {"linear.weight", "linear.bias"}
+    assert list(inspect.signature(loaded.model.load_constants).parameters)[:3] == [
+        "constants_map", "check_full_update", "user_managed"]
+    (direct,) = run_package(loaded.model, [x])
+    torch.testing.assert_close(direct, model(x), rtol=0, atol=1e-6)
     before = loaded(x)
     with torch.no_grad():
         loaded.active["linear.bias"].add_(2.0)  # in place: not copied into the container
