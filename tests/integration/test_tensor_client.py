@@ -4,6 +4,7 @@ path's, and bad binary input is a 4xx naming the tensor."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,8 +16,10 @@ from archive_tools.build import build_archive
 from archive_tools.model_config import ServingConfig
 from archive_tools.client import ScoringClient
 from archive_tools.local_server import LocalTorchServe
+from handlers.runtime.remote.grpc_stubs import inference_stub
+from handlers.runtime.remote.grpc_stubs import messages as grpc_messages
 from handlers.runtime.wire.v2_answers import HEADER_LENGTH
-from handlers.runtime.wire.v2_tensors import V2Error, encode_request
+from handlers.runtime.wire.v2_tensors import encode_request
 from tests.conftest import RANKER_SPEC, TINY_SPEC
 from tests.helpers import items_request
 
@@ -101,8 +104,35 @@ def test_a_grpc_refusal_names_the_tensor(server, tiny_spec):
     client = _clients(server, "tiny")["grpc"]
     items = items_request(tiny_spec, 1, seed=2)["items"]
     items[0]["dense"] = [float("nan")] * 4
-    with pytest.raises((V2Error, grpc.RpcError)) as error:
+    with pytest.raises(grpc.RpcError) as error:
         client.score(items)
-    message = str(error.value) if isinstance(error.value, V2Error) else error.value.details()
-    assert "inputs[0] (dense_features).data[0]: must be finite" in message
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "inputs[0] (dense_features).data[0]: must be finite" in error.value.details()
     client.close()
+
+
+def test_grpc_predictions_refused_alone_get_a_status_the_rest_of_the_batch_scores(server, tiny_spec):
+    """With TorchServe's own inference.proto: a request the handler refuses is a non-OK gRPC
+    status with its message (400: INVALID_ARGUMENT), not status OK with the error as the
+    prediction; the good requests batched with it are answered with their scores."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.ports['grpc_inference_port']}")
+    stub, messages = inference_stub(channel), grpc_messages()
+    metadata = [(k.lower(), v) for k, v in server.auth("inference").items()]
+    good = items_request(tiny_spec, 2, seed=5)
+    bad = {"items": [{**good["items"][0], "dense": [0.1, 0.2]}]}
+
+    def call(body: dict):
+        request = messages.PredictionsRequest(model_name="tiny", input={"body": json.dumps(body).encode()})
+        return stub.Predictions(request, metadata=metadata, timeout=30)
+
+    with ThreadPoolExecutor(8) as pool:  # within one 50 ms batch: refused and scored side by side
+        futures = [pool.submit(call, bad if k % 2 else good) for k in range(8)]
+    for k, future in enumerate(futures):
+        if k % 2:
+            with pytest.raises(grpc.RpcError) as error:
+                future.result()
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "items[0].dense: must hold 4 numbers, got 2" in error.value.details()
+        else:
+            assert json.loads(future.result().prediction)["scores"] == _json_scores(server, "tiny", good)
+    channel.close()

@@ -136,15 +136,17 @@ class WorkerFreshness:
         then follows the log."""
         slot = dense_slot(runner)
         self.dense = slot if isinstance(slot, str) else DenseFollower(slot, self.layout, self.folder)
+        self._start(self._answer_calls, "freshness-calls")  # the plugin's calls, answered from now on
         in_background(self._prepare, "freshness-replay")  # while an older version may serve
         self._note_worker()
         # The follower thread shares this process's GIL with the forwards: let a forward take it
         # back within 1 ms rather than Python's default 5.
         sys.setswitchinterval(0.001)
-        self._threads = [threading.Thread(target=self._follow, name="freshness", daemon=True),
-                         threading.Thread(target=self._answer_calls, name="freshness-calls", daemon=True)]
-        for thread in self._threads:
-            thread.start()
+        self._start(self._follow, "freshness")
+
+    def _start(self, target: Callable[[], None], name: str) -> None:
+        self._threads.append(threading.Thread(target=target, name=name, daemon=True))
+        self._threads[-1].start()
 
     def _prepare(self) -> None:
         """The tables mapped, pinned and brought up to the log's head, with the dense weights

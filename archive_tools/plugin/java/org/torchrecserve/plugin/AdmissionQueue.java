@@ -95,7 +95,7 @@ final class AdmissionQueue extends LinkedBlockingDeque<Job> {
             refuse(job, label + " is overloaded: " + overload + "; retry with backoff");
             return true;
         }
-        return super.offer(job);
+        return super.offer(GrpcStatusJob.of(job));
     }
 
     /** Why a request arriving now would wait too long, or null. */
