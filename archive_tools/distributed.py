@@ -105,8 +105,10 @@ def build_distributed(
             data = validation_data(spec, reference, validation, seed)
 
             stages.set_postfix_str("shards")
-            shards = _stage_shards(Path(tmp), spec, factory, whole, name)
-            plan = RemotePlan(dense, tuple(route for route, _ in shards), stacked=_stacked(spec, factory, whole))
+            tables = factory.load_weights(whole / WEIGHTS)  # mapped: page cache, no copy
+            shards = _stage_shards(Path(tmp), spec, tables, name)
+            plan = RemotePlan(dense, tuple(route for route, _ in shards), stacked=_stacked(spec, factory, tables))
+            del tables  # capture replaces the file they are mapped from
             stages.update()
 
             stages.set_postfix_str(f"capture the dense part ({dense.value})")
@@ -144,10 +146,10 @@ def _check_before_building(
             check_replaceable(model_store / archive_name)
 
 
-def _stage_shards(root: Path, spec: ModelSpec, factory: DLRMFactory, whole: Path, name: str) -> list[tuple[ShardRoute, Path]]:
+def _stage_shards(root: Path, spec: ModelSpec, weights: InferenceWeights, name: str) -> list[tuple[ShardRoute, Path]]:
     """Each shard's staged files (its tables' rows, byte for byte from the staged weights), and
     its route."""
-    tables = factory.load_weights(whole / WEIGHTS).tables  # mapped: page cache, no copy
+    tables = weights.tables
     shards = []
     for shard in spec.shards:
         shard_spec = spec.shard_spec(shard)
@@ -258,9 +260,8 @@ def shard_schema(shard_spec: ModelSpec, model_limits: Limits) -> InputSchema:
     )
 
 
-def _stacked(spec: ModelSpec, factory: DLRMFactory, staging: Path) -> bool:
+def _stacked(spec: ModelSpec, factory: DLRMFactory, tables: InferenceWeights) -> bool:
     """Whether the architecture's dense part takes [N, F, D] (else [N, sum of widths])."""
-    tables = factory.load_weights(staging / WEIGHTS)
     schema = input_schema(spec)
     decoder = RequestDecoder(schema)
     batch = coalesce([decoder.decode(synthetic_request(spec, 2, seed=0)).inputs], schema.tags)

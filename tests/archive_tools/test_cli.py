@@ -216,3 +216,12 @@ def test_files_that_are_not_what_they_should_be_are_the_users_errors_not_interna
     assert "must map each table's name to {'ids'" in capsys.readouterr().err
     assert main([*delta, "--rows", str(tmp_path / "notes.pt")]) == 2
     assert f"{tmp_path / 'notes.pt'}: not a rows file torch can load" in capsys.readouterr().err
+
+
+def test_a_layout_file_that_is_not_yaml_is_named(tmp_path):
+    from archive_tools.launcher import LayoutFile
+    from handlers.runtime.errors import InputError
+
+    (tmp_path / "layout.yaml").write_text("shards: {a: [unclosed\n")
+    with pytest.raises(InputError, match=r"layout.yaml: not valid YAML"):
+        LayoutFile.read(tmp_path / "layout.yaml")

@@ -141,7 +141,7 @@ class Mailbox:
     def refuse(self, why: str) -> None:
         """Every call is answered 409 with ``why``: the model's archive takes no deltas."""
         self.folder.mkdir(exist_ok=True)
-        _write_whole(self.folder / REFUSED, orjson.dumps({"message": why}))
+        write_whole(self.folder / REFUSED, orjson.dumps({"message": why}))
 
     def accept(self) -> None:
         """This worker answers calls: an earlier refusal (a copy that could not be made then) goes."""
@@ -159,7 +159,7 @@ class Mailbox:
             except FileNotFoundError:
                 continue  # another worker's now
             try:
-                _write_whole(call.with_suffix(REPLY), reply_bytes(claimed.read_bytes(), answer))
+                write_whole(call.with_suffix(REPLY), reply_bytes(claimed.read_bytes(), answer))
                 claimed.unlink()
             except OSError:  # the plugin times the call out; this worker goes on serving and answering
                 logger.exception("could not answer the freshness call %s", call.name)
@@ -168,7 +168,8 @@ class Mailbox:
         return answered
 
 
-def _write_whole(path: Path, data: bytes) -> None:
+def write_whole(path: Path, data: bytes) -> None:
+    """``data`` at ``path``, whole: a reader sees the file complete or not at all."""
     staged = path.with_name(path.name + ".partial")
     staged.write_bytes(data)
     os.replace(staged, path)

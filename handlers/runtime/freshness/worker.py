@@ -57,6 +57,7 @@ from handlers.runtime.freshness.protocol import (
     Reply,
     Rollback,
     RollbackAsked,
+    write_whole,
 )
 from handlers.runtime.freshness.shared_tables import SharedTables, pin_in_memory, sweep
 from handlers.runtime.options import HandlerOptions
@@ -84,7 +85,6 @@ class WorkerFreshness:
         self.lock = RowLock(self.folder)
         self.follower: LogFollower | None = None  # every worker may become the writer: made at start
         self.dense: DenseFollower | str = "the model is not loaded yet"  # or why it cannot swap dense weights
-        self._threads: list[threading.Thread] = []
         self.tables_pinned: bool | None = None  # this process's mappings of the copy all mapped, locked
         self.error: str | None = None
 
@@ -95,12 +95,12 @@ class WorkerFreshness:
         """Before the model loads: the worker's freshness, holding the working copy of the tables
         (made now by the model's first worker), or why this archive cannot take deltas (the
         plugin's calls are then answered 409 with it)."""
-        why = cls._why_not(model_dir, options)
+        layout = Archive(model_dir).layout
+        why = cls._why_not(model_dir, options, layout)
         if why is not None:
             if (model_dir / LOG_POINTER).exists():  # the plugin would call: it is told why
                 Mailbox(model_dir).refuse(why)
             return why
-        layout = Archive(model_dir).layout
         assert layout is not None  # _why_not checked
         archive_file = model_dir / tables_file_name(options)[0]  # type: ignore[operator]
         try:
@@ -115,11 +115,10 @@ class WorkerFreshness:
         return cls(model_dir, tables, layout, config.pace)
 
     @staticmethod
-    def _why_not(model_dir: Path, options: HandlerOptions) -> str | None:
+    def _why_not(model_dir: Path, options: HandlerOptions, layout: TablesLayout | None) -> str | None:
         unsupported = tables_file_name(options)[1]
         if unsupported is not None:
             return f"a {options.describe()} archive cannot take deltas: {unsupported}"
-        layout = Archive(model_dir).layout
         if layout is None:
             return f"the archive has no {TABLES}: rebuild it with this version to publish deltas"
         if layout.sharded:
@@ -144,9 +143,9 @@ class WorkerFreshness:
         sys.setswitchinterval(0.001)
         self._start(self._follow, "freshness")
 
-    def _start(self, target: Callable[[], None], name: str) -> None:
-        self._threads.append(threading.Thread(target=target, name=name, daemon=True))
-        self._threads[-1].start()
+    @staticmethod
+    def _start(target: Callable[[], None], name: str) -> None:
+        threading.Thread(target=target, name=name, daemon=True).start()
 
     def _prepare(self) -> None:
         """The tables mapped, pinned and brought up to the log's head, with the dense weights
@@ -272,13 +271,10 @@ class WorkerFreshness:
         """What this worker serves, for the state call (answered by any of the model's workers)."""
         folder = self.folder / WORKERS_FOLDER
         folder.mkdir(exist_ok=True)
-        note = folder / f"{os.getpid()}.json"
-        staged = note.with_name(note.name + ".tmp")
         dense = self.dense if isinstance(self.dense, DenseFollower) else None
-        staged.write_bytes(orjson.dumps({"pid": os.getpid(), "dense_sequence": dense.sequence if dense else 0,
-                                         "dense_swap_s": dense.swap_s if dense else None,
-                                         "tables_pinned": self.tables_pinned, "since": time.time()}))
-        os.replace(staged, note)
+        write_whole(folder / f"{os.getpid()}.json", orjson.dumps({
+            "pid": os.getpid(), "dense_sequence": dense.sequence if dense else 0,
+            "dense_swap_s": dense.swap_s if dense else None, "tables_pinned": self.tables_pinned, "since": time.time()}))
 
 
 def _live_workers(folder: Path) -> list[dict[str, Any]]:

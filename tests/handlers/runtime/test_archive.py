@@ -15,6 +15,7 @@ from handlers.modeling.registry import input_schema
 from handlers.runtime import archive_files
 from handlers.runtime.archive import Archive, tables_file_name
 from handlers.runtime.artifacts import Artifact
+from handlers.runtime.errors import InputError
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.remote.plan import RemotePlan, ShardRoute
@@ -111,3 +112,10 @@ def test_the_java_plugin_names_the_archive_files_as_python_does():
         if source.name != "ArchiveFiles.java":
             code = "\n".join(line for line in source.read_text().splitlines() if not line.lstrip().startswith("*"))
             assert not [n for n in names.values() if f'"{n}"' in code], source.name
+
+
+def test_a_model_config_that_is_not_yaml_is_named(tmp_path, tiny_spec):
+    folder = _folder(tmp_path, tiny_spec, HandlerOptions(Artifact.EAGER))
+    (folder / archive_files.MODEL_CONFIG).write_text("handler: [unclosed\n")
+    with pytest.raises(InputError, match=r"model-config.yaml is not valid YAML"):
+        Archive(folder).options

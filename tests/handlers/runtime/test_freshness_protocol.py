@@ -117,3 +117,20 @@ def test_the_java_plugin_speaks_the_same_protocol():
     names = dict(re.findall(r'static final String (\w+) = "([^"]+)";', java))
     assert names == {"CALL": protocol.CALL, "REPLY": protocol.REPLY}
     assert '"op", "check", "delta"' in java and '"op", "rollback", "to"' in java and '"op", "state"' in java
+
+
+def test_a_reply_that_cannot_be_written_is_logged_and_the_next_call_answered(tmp_path, monkeypatch, caplog):
+    box = tmp_path / archive_files.MAILBOX
+    box.mkdir()
+    for k in range(2):
+        (box / f"{k}{protocol.CALL}").write_bytes(_raw(op="rollback", to=k))
+    written = protocol.write_whole
+
+    def full_once(path, data):
+        monkeypatch.setattr(protocol, "write_whole", written)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(protocol, "write_whole", full_once)
+    assert Mailbox(tmp_path).answer_waiting(lambda call: RollbackAsked(call.to, 9)) == 1
+    assert "could not answer the freshness call 0.call" in caplog.text
+    assert sorted(p.name for p in box.iterdir()) == ["0.claimed", "1.reply"]  # the plugin times 0 out
