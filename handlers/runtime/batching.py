@@ -7,7 +7,7 @@ model. The batch it makes is what every artifact takes: plain tensors, with each
 Example::
 
     batch = coalesce(requests, schema.tags)   # {"dense_features": [N, D], "sparse_features": JaggedIds}
-    outputs = split_outputs(model(batch), [r.num_items for r in requests])
+    outputs = split_outputs(model(batch), [c for r in requests for c in r.counts])
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ Batch = dict[str, BatchInput]
 
 
 def coalesce(requests: Sequence[RequestInputs], tags: Sequence[InputTag]) -> Batch:
-    """Concatenates K requests into the inputs of one forward over all their items."""
-    counts = torch.tensor([r.num_items for r in requests], dtype=torch.int64)
+    """Concatenates K requests (or parts of several, ``RequestInputs.item_counts``) into the
+    inputs of one forward over all their items."""
+    counts = torch.tensor([c for r in requests for c in r.counts], dtype=torch.int64)
     batch: Batch = {}
     for tag in tags:
         if tag.kind == BatchKind.ITEM_COUNTS:
@@ -65,7 +66,10 @@ def _coalesce_jagged(parts: Sequence[JaggedIds]) -> JaggedIds:
     weighted = parts[0].weights is not None
     lengths = torch.cat([p.lengths for p in parts], dim=1)
     # values arrive request-major (k, f) in segments; the batch wants feature-major (f, k).
-    segment_lengths = torch.stack([p.lengths.sum(dim=1) for p in parts]).reshape(-1)
+    # Segment (k, f) holds part k's ids of feature f: differences of running sums at part ends.
+    ends = torch.tensor([0] + [p.lengths.shape[1] for p in parts]).cumsum(0)
+    running = torch.cat([lengths.new_zeros(num_features, 1), lengths.cumsum(dim=1)], dim=1)[:, ends]
+    segment_lengths = running.diff(dim=1).t().reshape(-1)
     feature_major = (
         torch.arange(len(parts) * num_features)
         .reshape(len(parts), num_features)

@@ -197,7 +197,14 @@ RequestTensor = Union[torch.Tensor, JaggedIds]
 
 @dataclasses.dataclass(frozen=True)
 class RequestInputs:
-    """One request's model inputs, keyed by input name, for ``num_items`` items."""
+    """Model inputs, keyed by input name, for ``num_items`` items: one request's, or several
+    consecutive requests' decoded together, whose items ``item_counts`` then gives in order."""
 
     num_items: int
     tensors: dict[str, RequestTensor]
+    item_counts: tuple[int, ...] = ()
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """The items of each request these inputs hold."""
+        return self.item_counts or (self.num_items,)

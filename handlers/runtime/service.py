@@ -22,7 +22,7 @@ from handlers.runtime.batching import chunk_by_items, coalesce, padding_request,
 from handlers.runtime.errors import BadRequest, InternalError, ServingError
 from handlers.runtime.inputs import InputSchema, JaggedIds, Output, RequestInputs
 from handlers.runtime.wire.decoder import RequestDecoder
-from handlers.runtime.wire.messages import DecodedRequest, Rejected, Response
+from handlers.runtime.wire.messages import Response
 
 logger = logging.getLogger(__name__)
 
@@ -89,55 +89,52 @@ class ScoringService:
     def handle(self, payloads: Sequence[Any]) -> HandledBatch:
         watch = _Stopwatch()
         responses: list[Response | None] = [None] * len(payloads)
-        decoded: list[tuple[int, DecodedRequest]] = []
         rejected: collections.Counter[str] = collections.Counter()
+        max_items = self.schema.limits.max_items_per_forward
         with watch("decode"):
-            for index, payload in enumerate(payloads):
-                try:
-                    decoded.append((index, self.decoder.decode(payload)))
-                except Rejected as refusal:
-                    responses[index] = refusal.response()
-                    error = refusal.error
-                    rejected[error.reason if isinstance(error, BadRequest) else type(error).__name__] += 1
-        requests = [d.inputs for _, d in decoded]
+            decoded = self.decoder.decode_batch(payloads, max_items)
+        for index, refusal in decoded.refused:
+            responses[index] = refusal.response()
+            error = refusal.error
+            rejected[error.reason if isinstance(error, BadRequest) else type(error).__name__] += 1
+        parts = decoded.parts
         forward_items = []
-        for chunk in chunk_by_items(requests, self.schema.limits.max_items_per_forward):
-            forward_items.append(sum(requests[i].num_items for i in chunk))
+        for chunk in chunk_by_items([p.inputs for p in parts], max_items):
+            forward_items.append(sum(parts[i].inputs.num_items for i in chunk))
+            positions = [index for i in chunk for index in parts[i].positions]
+            encoders = [encoder for i in chunk for encoder in parts[i].encoders]
             try:
-                logits = self.logits([requests[i] for i in chunk], watch)
+                logits = self.logits([parts[i].inputs for i in chunk], watch)
             except ServingError as error:  # e.g. a dense host's shard is down: 503 naming it
-                logger.debug("forward of %d requests answered %d: %s", len(chunk), error.status, error.message)
-                for i in chunk:
-                    index, request = decoded[i]
-                    responses[index] = request.encoder.error(error)
+                logger.debug("forward of %d requests answered %d: %s", len(positions), error.status, error.message)
+                for index, encoder in zip(positions, encoders):
+                    responses[index] = encoder.error(error)
                 continue
             except Exception:  # the model failed on validated input: a bug, not the client's
-                logger.exception("forward failed for a chunk of %d requests", len(chunk))
-                for i in chunk:
-                    index, request = decoded[i]
-                    responses[index] = request.encoder.error(InternalError("model forward failed"))
+                logger.exception("forward failed for a chunk of %d requests", len(positions))
+                for index, encoder in zip(positions, encoders):
+                    responses[index] = encoder.error(InternalError("model forward failed"))
                 continue
             with watch("encode"):
-                for i, request_logits in zip(chunk, logits):
-                    index, request = decoded[i]
-                    responses[index] = request.encoder.answer(request_logits)
+                for index, encoder, request_logits in zip(positions, encoders, logits):
+                    responses[index] = encoder.answer(request_logits)
         stats = BatchStats(
             stage_ms=watch.ms,
             forward_items=forward_items,
             rejected=dict(rejected),
-            hashed_ids=sum(d.hashed_ids for _, d in decoded),
+            hashed_ids=sum(p.hashed_ids for p in parts),
         )
         return HandledBatch(responses, stats)  # type: ignore[arg-type]  # every index answered
 
     def logits(
         self, requests: Sequence[RequestInputs], watch: _Stopwatch | None = None
     ) -> list[torch.Tensor]:
-        """One forward over all items of ``requests``; logits [n_k] per request (an embedding
-        shard's: embeddings [n_k, W])."""
+        """One forward over all items of ``requests`` (each one request's inputs, or a part of
+        several); logits [n_k] per request (an embedding shard's: embeddings [n_k, W])."""
         watch = watch or _Stopwatch()
         with watch("coalesce"):
             padded = list(requests)
-            missing = self.schema.min_requests - len(padded)
+            missing = self.schema.min_requests - sum(len(r.counts) for r in padded)
             if missing > 0:
                 padded += [padding_request(requests[0], self.tags)] * missing
             batch = coalesce(padded, self.tags)
@@ -153,5 +150,5 @@ class ScoringService:
             output = self.model(batch).cpu()
         # scores: logits [N]; an embedding shard: each item's pooled embeddings as one row [N, W]
         output = output.reshape(-1) if self.schema.output == Output.SCORES else output.flatten(1)
-        counts = [r.num_items for r in requests]
+        counts = [c for r in requests for c in r.counts]
         return split_outputs(output[: sum(counts)], counts)

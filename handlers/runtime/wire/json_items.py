@@ -8,8 +8,9 @@ A feature left out of an item is an empty bag. With ``weighted_ids`` a bag is ``
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -29,10 +30,25 @@ ITEM_KEYS = frozenset({"dense", "sparse"})
 
 _WEIGHTED_BAG_KEYS = frozenset({"ids", "weights"})
 _EMPTY_BAG: list = []  # a feature left out of an item; only ever read
+_NO_SPARSE: dict = {}  # an item without "sparse"; only ever read
+
+
+@dataclasses.dataclass(frozen=True)
+class SentItems:
+    """One request's items as sent, checked for shape (objects, keys, feature names) but not yet
+    for values: ``dense`` [n] rows and ``bags`` [n][F] (each feature's bag, ``[]`` if left out)."""
+
+    dense: list[Any]
+    bags: list[list[Any]]
 
 
 class ItemsDecoder:
-    """``items`` (a JSON list) -> the rows of its n items."""
+    """``items`` (a JSON list) -> the rows of its n items, in two steps: ``parse`` checks one
+    request's shape, ``rows`` turns the items of one or more parsed requests into arrays at once
+    (one set of numpy calls per TorchServe batch, not per request).
+
+        rows = decoder.rows([decoder.parse(body["items"])])     # one request
+    """
 
     def __init__(self, schema: InputSchema, checks: RequestChecks) -> None:
         self.schema = schema
@@ -41,31 +57,39 @@ class ItemsDecoder:
         self._feature_set = frozenset(self._features)
         self._no_bags = (_EMPTY_BAG,) * len(self._features)  # per-feature defaults for dict.get
 
-    def decode(self, items: Any) -> DecodedRows:
+    def parse(self, items: Any) -> SentItems:
         if not isinstance(items, list) or not items:
             raise BadRequest("items", "must be a non-empty list of items")
         self.checks.item_count("items", len(items))
-        features = self._features
+        features, feature_set, no_bags = self._features, self._feature_set, self._no_bags
         dense_rows: list[Any] = []
-        item_bags: list[list[Any]] = []  # [n][F], as sent
+        item_bags: list[list[Any]] = []
         for i, item in enumerate(items):
             if not isinstance(item, dict):
                 raise BadRequest(f"items[{i}]", f"must be an object, got {json_type(item)}")
-            reject_unknown(item, ITEM_KEYS, f"items[{i}].")
+            if not item.keys() <= ITEM_KEYS:
+                reject_unknown(item, ITEM_KEYS, f"items[{i}].")
             if "dense" not in item:
                 raise BadRequest(f"items[{i}].dense", "required", "missing_field")
             dense_rows.append(item["dense"])
-            sparse = item.get("sparse", {})
+            sparse = item.get("sparse", _NO_SPARSE)
             if not isinstance(sparse, dict):
                 raise BadRequest(f"items[{i}].sparse", f"must be an object, got {json_type(sparse)}")
-            unknown = sparse.keys() - self._feature_set
-            if unknown:
-                raise BadRequest(f"items[{i}].sparse.{min(unknown)}", "unknown feature")
-            item_bags.append(list(map(sparse.get, features, self._no_bags)))
+            if not sparse.keys() <= feature_set:
+                raise BadRequest(f"items[{i}].sparse.{min(sparse.keys() - feature_set)}", "unknown feature")
+            item_bags.append(list(map(sparse.get, features, no_bags)))
+        return SentItems(dense_rows, item_bags)
+
+    def rows(self, sent: Sequence[SentItems]) -> DecodedRows:
+        """The items of ``sent``, in order, as rows [N, D] and feature-major bags [F, N]. Field
+        names count items from the first request's first item: exact for one request."""
+        features = self._features
+        dense_rows = sent[0].dense if len(sent) == 1 else [row for s in sent for row in s.dense]
+        item_bags = sent[0].bags if len(sent) == 1 else [bags for s in sent for bags in s.bags]
         dense = float_rows(dense_rows, self.schema.dense_features, lambda i: f"items[{i}].dense")
 
         # Feature-major, as the jagged input is laid out: bag k is (feature k // n, item k % n).
-        n = len(items)
+        n = len(item_bags)
         bags = list(itertools.chain.from_iterable(zip(*item_bags)))
         resolved = None
         if not set(map(type, bags)) <= {list}:  # weighted bags, or a bad one; plain lists are checked in C

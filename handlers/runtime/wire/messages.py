@@ -104,6 +104,25 @@ class DecodedRequest:
     hashed_ids: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodedPart:
+    """Requests decoded together: their indices in the TorchServe batch, the inputs of all their
+    items (``inputs.counts``: each one's), how to answer each, and the ids the policy hashed."""
+
+    positions: list[int]
+    inputs: RequestInputs
+    encoders: list[Encoder]
+    hashed_ids: int = 0
+
+
+@dataclasses.dataclass
+class DecodedBatch:
+    """A TorchServe batch decoded: parts in request order, and the requests refused (by index)."""
+
+    parts: list[DecodedPart] = dataclasses.field(default_factory=list)
+    refused: list[tuple[int, "Rejected"]] = dataclasses.field(default_factory=list)
+
+
 class Rejected(Exception):
     """A request refused while decoding, with the answer in its wire form."""
 
