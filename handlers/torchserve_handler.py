@@ -96,33 +96,35 @@ class DLRMHandler:
         if context.get_request_header(0, "describe") == "True":  # GET /models/NAME?customized=true
             self.metrics.flush(context)  # type: ignore[union-attr]  # so that a scrape now is exact
             return [orjson.dumps(self.description)]
-        payloads = [_payload(row, context, index) for index, row in enumerate(data)]
+        payloads = [_payload(row, context.get_all_request_header(index)) for index, row in enumerate(data)]
         handled = self.service.handle(payloads)
         shard_counts = self.shard_calls.take_counts() if self.shard_calls is not None else None
         self.metrics.add(context, len(data), handled.stats, shard_counts)  # type: ignore[union-attr]
         for index, response in enumerate(handled.responses):
-            context.set_response_status(response.status, "", idx=index)
+            if response.status != 200:  # TorchServe answers 200 where none is set
+                context.set_response_status(response.status, "", idx=index)
             context.set_response_content_type(index, response.content_type)
             for name, value in response.headers.items():
                 context.set_response_header(index, name, value)
         return [r.body for r in handled.responses]
 
 
-def _payload(row: dict[str, Any], context: Any, index: int) -> Arrival:
+def _payload(row: dict[str, Any], headers: dict[str, str]) -> Arrival:
     """One request as TorchServe hands it over: REST puts the body under ``body`` with the HTTP
     headers beside it (a form's fields under their own names instead); gRPC puts each entry of
     ``PredictionsRequest.input`` under its own key. A KServe v2 binary body comes with its JSON
     header's length (``Inference-Header-Content-Length``: a header on REST, an input entry on
     gRPC)."""
     length = row.get(HEADER_LENGTH)
+    body = row.get("body")
     return Arrival(
-        body=row.get("body", row.get("data")),
-        content_type=_header(context, index, "Content-Type"),
-        content_encoding=_header(context, index, "Content-Encoding"),
-        header_length=length if length is not None else _header(context, index, HEADER_LENGTH),
+        body=body if body is not None else row.get("data"),
+        content_type=_header(headers, "Content-Type"),
+        content_encoding=_header(headers, "Content-Encoding"),
+        header_length=length if length is not None else _header(headers, HEADER_LENGTH),
     )
 
 
-def _header(context: Any, index: int, name: str) -> str | None:
-    value = context.get_request_header(index, name)
-    return value if value is not None else context.get_request_header(index, name.lower())
+def _header(headers: dict[str, str], name: str) -> str | None:
+    value = headers.get(name)
+    return value if value is not None else headers.get(name.lower())

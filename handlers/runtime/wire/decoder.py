@@ -21,8 +21,7 @@ them half its time).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Sequence, Union
+from typing import Any, NamedTuple, Sequence, Union
 
 import torch
 
@@ -55,20 +54,18 @@ CONTEXT_KEY = "context"
 RETURN_LOGITS_KEY = "return_logits"
 V2_KEY = "inputs"
 
+_JSON_ENCODERS = {(logits, default): JsonEncoder(logits, default) for logits in (False, True) for default in (False, True)}
+
 Payload = Union[Arrival, BinaryBody, bytes, bytearray, str, dict, list, None]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Sent:
+class _Sent(NamedTuple):
     """An items-form request read for shape; its arrays are made with its neighbours' (``decode_batch``)."""
 
     items: SentItems
     context: Any  # the context row as sent, for a model with a context input
     encoder: JsonEncoder
-
-    @property
-    def num_items(self) -> int:
-        return len(self.items.dense)
+    num_items: int
 
 
 class RequestDecoder:
@@ -82,6 +79,8 @@ class RequestDecoder:
         self._v2_only = schema.output == Output.EMBEDDINGS
         if self._v2_only:
             return
+        self._rows_name, self._ids_name = schema.rows.name, schema.jagged.name
+        self._context = schema.context
         self._items = ItemsDecoder(schema, checks)
         self._columnar = ColumnarDecoder(schema, checks)
         shared = {RETURN_LOGITS_KEY} | ({CONTEXT_KEY} if schema.context else set())
@@ -177,18 +176,19 @@ class RequestDecoder:
         if not isinstance(return_logits, bool):
             raise BadRequest(RETURN_LOGITS_KEY, f"must be true or false, got {return_logits!r}")
         context = body.get(CONTEXT_KEY)
-        if self.schema.context is not None and context is None:
+        if self._context is not None and context is None:
             width = self.schema.context_features
             raise BadRequest(CONTEXT_KEY, f"required: a list of {width} numbers", "missing_field")
         if "items" in body:
             if not body.keys() <= self._items_keys:
                 reject_unknown(body, self._items_keys, "")
-            return _Sent(self._items.parse(body["items"]), context, JsonEncoder(return_logits=return_logits))
+            items = self._items.parse(body["items"])
+            return _Sent(items, context, _JSON_ENCODERS[return_logits, False], len(items.dense))
         if DENSE_KEY in body:
             reject_unknown(body, self._columnar_keys, "")
             rows = self._columnar.decode(body)
             tensors = self._tensors(rows, [context])
-            encoder = JsonEncoder(return_logits=return_logits, default=True)
+            encoder = _JSON_ENCODERS[return_logits, True]
             return DecodedRequest(RequestInputs(rows.dense.shape[0], tensors), encoder, rows.hashed_ids)
         raise BadRequest(
             "items",
@@ -206,8 +206,8 @@ class RequestDecoder:
 
     def _tensors(self, rows: DecodedRows, contexts: list[Any]) -> dict[str, Any]:
         """The model's inputs: the rows, their ids and (a context model) each request's context row."""
-        tensors: dict[str, Any] = {self.schema.rows.name: rows.dense, self.schema.jagged.name: rows.ids}
-        context = self.schema.context
+        tensors: dict[str, Any] = {self._rows_name: rows.dense, self._ids_name: rows.ids}
+        context = self._context
         if context is not None:
             width = self.schema.context_features
             tensors[context.name] = torch.from_numpy(float_rows(contexts, width, lambda _: CONTEXT_KEY))

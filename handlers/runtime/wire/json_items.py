@@ -8,9 +8,8 @@ A feature left out of an item is an empty bag. With ``weighted_ids`` a bag is ``
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -33,8 +32,7 @@ _EMPTY_BAG: list = []  # a feature left out of an item; only ever read
 _NO_SPARSE: dict = {}  # an item without "sparse"; only ever read
 
 
-@dataclasses.dataclass(frozen=True)
-class SentItems:
+class SentItems(NamedTuple):
     """One request's items as sent, checked for shape (objects, keys, feature names) but not yet
     for values: ``dense`` [n] rows and ``bags`` [n][F] (each feature's bag, ``[]`` if left out)."""
 
@@ -92,12 +90,15 @@ class ItemsDecoder:
         n = len(item_bags)
         bags = list(itertools.chain.from_iterable(zip(*item_bags)))
         resolved = None
-        if not set(map(type, bags)) <= {list}:  # weighted bags, or a bad one; plain lists are checked in C
+        try:  # list.__len__ takes lists only: plain bags are checked and measured in one pass, in C
+            lengths = np.fromiter(map(list.__len__, bags), np.int64, len(bags))
+        except TypeError:  # weighted bags, or a bad one
             resolved = [
                 self._bag(bag, f"items[{k % n}].sparse.{features[k // n]}") for k, bag in enumerate(bags)
             ]
             bags = [ids for ids, _ in resolved]
-        lengths = np.fromiter(map(len, bags), np.int64, len(bags)).reshape(len(features), n)
+            lengths = np.fromiter(map(len, bags), np.int64, len(bags))
+        lengths = lengths.reshape(len(features), n)
         values = list(itertools.chain.from_iterable(bags))
 
         def field_of(f: int, i: int, j: int | None) -> str:

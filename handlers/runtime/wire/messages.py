@@ -9,7 +9,8 @@ protocol), for scores and for errors alike.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from types import MappingProxyType
+from typing import Mapping, NamedTuple, Protocol
 
 import numpy as np
 import orjson
@@ -22,12 +23,13 @@ from handlers.runtime.quiet import quieter
 JSON = "application/json"
 
 
-@dataclasses.dataclass(frozen=True)
-class Response:
+class Response(NamedTuple):
+    """One request's answer (a named tuple: one is made per request, and it is cheap)."""
+
     status: int
     body: bytes
     content_type: str = JSON
-    headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    headers: Mapping[str, str] = MappingProxyType({})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +59,13 @@ class JsonEncoder:
     default: bool = False
 
     def answer(self, logits: torch.Tensor) -> Response:
-        values = logits.tolist()
         body: dict[str, list[float]] = {"scores": torch.sigmoid(logits).tolist()}
-        if self.return_logits:
-            body["logits"] = values
-        if self.default:
-            body["default"] = values
+        if self.return_logits or self.default:
+            values = logits.tolist()
+            if self.return_logits:
+                body["logits"] = values
+            if self.default:
+                body["default"] = values
         return Response(200, orjson.dumps(body))
 
     def error(self, error: ServingError) -> Response:

@@ -7,9 +7,8 @@ an HTML form refused with the fix, and a KServe v2 binary body recognised by its
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 from handlers.runtime.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 from handlers.runtime.wire.messages import BinaryBody
@@ -17,10 +16,10 @@ from handlers.runtime.wire.messages import BinaryBody
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 
 
-@dataclasses.dataclass(frozen=True)
-class Arrival:
+class Arrival(NamedTuple):
     """``body``: the bytes as sent (None when TorchServe parsed a form into fields instead);
-    ``header_length``: the KServe v2 binary extension's JSON header length, if given."""
+    ``header_length``: the KServe v2 binary extension's JSON header length, if given. (A named
+    tuple: one is made per request, and it is cheap.)"""
 
     body: Any
     content_type: str | None = None
@@ -32,24 +31,26 @@ def opened(arrival: Arrival, max_bytes: int) -> Any:
     """The body the decoders read: bytes, a ``BinaryBody``, or what TorchServe already decoded.
     Raises ``BadRequest`` (413 too large, 415 an encoding or form it cannot read)."""
     body = arrival.body
-    media = (arrival.content_type or "").split(";")[0].strip().lower()
-    if body is None and media in FORM_TYPES:
-        raise UnsupportedMediaType(
-            "Content-Type",
-            f"the body arrived as a form ({media}, what curl -d sends unless told otherwise); "
-            "send it as JSON: -H 'Content-Type: application/json'",
-        )
+    if body is None:
+        media = (arrival.content_type or "").split(";")[0].strip().lower()
+        if media in FORM_TYPES:
+            raise UnsupportedMediaType(
+                "Content-Type",
+                f"the body arrived as a form ({media}, what curl -d sends unless told otherwise); "
+                "send it as JSON: -H 'Content-Type: application/json'",
+            )
     if not isinstance(body, (bytes, bytearray)):
         return body
     if len(body) > max_bytes:
         raise PayloadTooLarge(
             "body", f"{len(body):,} bytes, over the model's limit of {max_bytes:,} (limits.max_request_bytes)"
         )
-    encoding = (arrival.content_encoding or "identity").strip().lower()
-    if encoding == "gzip":
-        body = _gunzip(body, max_bytes)
-    elif encoding != "identity":
-        raise UnsupportedMediaType("Content-Encoding", f"{encoding!r} is not supported: send gzip or identity")
+    if arrival.content_encoding is not None:
+        encoding = arrival.content_encoding.strip().lower()
+        if encoding == "gzip":
+            body = _gunzip(body, max_bytes)
+        elif encoding != "identity":
+            raise UnsupportedMediaType("Content-Encoding", f"{encoding!r} is not supported: send gzip or identity")
     if arrival.header_length is None:
         return body
     try:
