@@ -9,9 +9,9 @@ STAMP := $(VENV)/.installed
 
 SCENARIO ?= smoke
 
-.PHONY: setup java plugin demo test bench clean
+.PHONY: setup java wrk plugin demo test bench clean
 
-setup: java $(STAMP) plugin
+setup: java wrk $(STAMP) plugin
 
 # The TorchServe plugin jar, rebuilt when its Java sources or TorchServe change.
 plugin: $(STAMP)
@@ -28,6 +28,19 @@ java:
 	  else \
 	    echo "TorchServe and its plugin need a JDK 17 or newer (java: $${v:-none}, javac: $$(command -v javac || echo none))."; \
 	    echo "Install it, e.g.: sudo apt-get install openjdk-17-jdk-headless"; exit 1; \
+	  fi; \
+	fi
+
+# The benchmarks' closed-loop client (benchmarks/wrk.py): a Python client saturates below
+# TorchServe's own floor on a small machine. Installed with apt when we are root, else explained
+# (everything but the benchmarks' closed-loop points works without it).
+wrk:
+	@if ! command -v wrk >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "wrk not found: installing it (the benchmarks' load generator)"; \
+	    apt-get update -qq && apt-get install -y -qq wrk; \
+	  else \
+	    echo "note: the benchmarks' closed-loop points need wrk: e.g. sudo apt-get install wrk"; \
 	  fi; \
 	fi
 

@@ -16,6 +16,7 @@ import torch
 
 from benchmarks.traffic import Traffic
 from handlers.loading import load_archive
+from handlers.runtime.batching import coalesce
 from handlers.runtime.archive import Archive
 from handlers.runtime.service import ScoringService
 
@@ -48,6 +49,34 @@ def ceiling_items_per_s(
     return best
 
 
+def forward_us_per_item(
+    service: ScoringService, traffic: Traffic, requests_per_batch: int, min_time_s: float = 1.0
+) -> float:
+    """The model's forward alone (no decoding, coalescing or encoding), in CPU microseconds per
+    item (process time: comparable with a worker's CPU), on the intra-op threads the worker uses
+    for that many items, over one batch of the traffic's first ``requests_per_batch`` requests:
+    the best of three."""
+    decoded = [service.decoder.decode(traffic.payload(i % len(traffic.bodies))) for i in range(requests_per_batch)]
+    batch = coalesce([d.inputs for d in decoded], service.schema.tags)
+    items = sum(d.inputs.num_items for d in decoded)
+    threads = torch.get_num_threads()
+    if service.threads_for is not None:
+        torch.set_num_threads(service.threads_for(items))
+    best = float("inf")
+    try:
+        with torch.inference_mode():
+            service.model(batch)
+            for _ in range(3):
+                calls, started, cpu = 0, time.perf_counter(), time.process_time()
+                while time.perf_counter() - started < min_time_s or calls < 5:
+                    service.model(batch)
+                    calls += 1
+                best = min(best, (time.process_time() - cpu) / (calls * items) * 1e6)
+    finally:
+        torch.set_num_threads(threads)
+    return best
+
+
 class CeilingProcess:
     """``ceiling_items_per_s`` in a child process that holds the loaded artifact.
 
@@ -68,6 +97,9 @@ class CeilingProcess:
     def items_per_s(self, workload: str, requests_per_batch: int, min_time_s: float = 1.0) -> float:
         return self._pool.submit(_ceiling_in_child, workload, requests_per_batch, min_time_s).result()
 
+    def forward_us_per_item(self, workload: str, requests_per_batch: int, min_time_s: float = 1.0) -> float:
+        return self._pool.submit(_forward_in_child, workload, requests_per_batch, min_time_s).result()
+
     def close(self) -> None:
         self._pool.shutdown()
 
@@ -86,6 +118,10 @@ def _load_in_child(archive: Path, traffic: dict[str, Traffic], threads: int) -> 
     _child["archive"] = Archive.open(archive)  # a .mar's files, unpacked for the child's life
     _child["service"] = load_archive(_child["archive"])
     _child["traffic"] = traffic
+
+
+def _forward_in_child(workload: str, requests_per_batch: int, min_time_s: float) -> float:
+    return forward_us_per_item(_child["service"], _child["traffic"][workload], requests_per_batch, min_time_s)
 
 
 def _ceiling_in_child(workload: str, requests_per_batch: int, min_time_s: float) -> float:

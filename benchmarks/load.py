@@ -47,6 +47,8 @@ class LoadResult:
     latency_ms: dict[str, float]  # "p50", "p90", "p99", "p99.9", "mean" over 200s
     client_cpu_cores: float
     rejected_latency_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # over 503s
+    client: str = "python"  # or "wrk" (benchmarks.wrk)
+    client_threads: int = 1  # the cores the client can use: one for Python's event loop
     # every request: (sent, answered) on the perf_counter clock, and its status (BackgroundLoad)
     events: list[tuple[float, float, str]] = dataclasses.field(default_factory=list, repr=False)
 
@@ -58,9 +60,19 @@ class LoadResult:
     def items_per_s(self) -> float:
         return self.items / self.wall_s
 
+    @property
+    def client_saturated(self) -> bool:
+        """The client, not the server, may have set the pace: it used 90% of its cores or more."""
+        return self.client_cpu_cores >= 0.9 * self.client_threads
+
     def to_dict(self) -> dict:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "events"}
-        return {**fields, "requests_per_s": self.requests_per_s, "items_per_s": self.items_per_s}
+        return {
+            **fields,
+            "requests_per_s": self.requests_per_s,
+            "items_per_s": self.items_per_s,
+            "client_saturated": self.client_saturated,
+        }
 
 
 def _percentiles(seconds: list[float]) -> dict[str, float]:
@@ -192,7 +204,7 @@ def _background(arguments: tuple, sending: Any, stopping: Any, results: Any) -> 
     results.put(result)
 
 
-def _check_loopback(url: str) -> None:
+def check_loopback(url: str) -> None:
     host = urlsplit(url).hostname
     if host not in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(f"the benchmark only sends to loopback, not {host!r}")
@@ -228,7 +240,7 @@ def _session(headers: dict, limit: int) -> aiohttp.ClientSession:
 async def _closed(
     url: str, headers: dict, traffic: Traffic, concurrency: int, duration_s: float, max_requests: int
 ) -> LoadResult:
-    _check_loopback(url)
+    check_loopback(url)
     rec = _Recorder()
     order = itertools.cycle(range(len(traffic.bodies)))
     sent = itertools.count()
@@ -257,7 +269,7 @@ async def _open(
     sending: Any = None,  # an Event: set as the first request is scheduled
     keep_events: bool = False,
 ) -> LoadResult:
-    _check_loopback(url)
+    check_loopback(url)
     rec = _Recorder(keep_events)
     rng = np.random.default_rng(seed)
     count = int(rate * duration_s)
@@ -298,7 +310,7 @@ def run_closed_loop_grpc(
 ) -> LoadResult:
     """Closed loop over TorchServe's gRPC inference API: each body (and, for binary bodies, its
     header length) in ``PredictionsRequest.input``."""
-    _check_loopback(f"grpc://{target}")
+    check_loopback(f"grpc://{target}")
     with collector_frozen():
         return asyncio.run(_closed_grpc(target, metadata, model, traffic, concurrency, duration_s, max_requests))
 

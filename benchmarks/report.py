@@ -143,7 +143,7 @@ def summary(results: dict) -> str:
                 else ""
             ),
             f"  {'workload':<15}{'load':>9}{'req/s':>9}{'items/s':>10}{'p50':>8}{'p90':>8}{'p99':>8}"
-            f"{'p99.9':>8}{'req/batch':>10}{'ceiling':>10}{'eff':>6}{'client':>7}  errors",
+            f"{'p99.9':>8}{'req/batch':>10}{'ceiling':>10}{'eff':>6}{'us/item':>8}{'client':>7}  by     errors",
         ]
         for r in config["runs"]:
             lat = r["latency_ms"]
@@ -153,7 +153,8 @@ def summary(results: dict) -> str:
                 f"  {r['workload']:<15}{load:>9}{r['requests_per_s']:>9.0f}{r['items_per_s']:>10.0f}"
                 + "".join(f"{lat.get(p, float('nan')):>8.1f}" for p in ("p50", "p90", "p99", "p99.9"))
                 + f"{r['formed']['mean_requests_per_batch']:>10.1f}{r['ceiling_items_per_s']:>10.0f}"
-                f"{r['efficiency']:>6.2f}{r['client_cpu_cores']:>7.2f}  {errors or '-'}"
+                f"{r['efficiency']:>6.2f}{r['worker_cpu_us_per_item']:>8.0f}{r['client_cpu_cores']:>7.2f}"
+                f"{'*' if r['client_saturated'] else ' '} {r['client']:<6} {errors or '-'}"
             )
     if results["targets"]:
         lines += ["", "targets:"]
@@ -162,5 +163,7 @@ def summary(results: dict) -> str:
             lines.append(f"  [{'met' if t['met'] else 'MISSED'}] {t['label']}: {measured} (target {t['target']})")
     lines.append("")
     lines.append("latency in ms; ceiling: in-process items/s of the same artifact at the formed batch "
-                 "size; eff = served / ceiling; client = load generator CPU in cores")
+                 "size; eff = served / ceiling; us/item = the workers' CPU per item answered; client = "
+                 "load generator CPU in cores (closed loop: wrk; open loop: Python), * = saturated: the "
+                 "client, not the server, may have set the pace")
     return "\n".join(lines) + "\n"

@@ -25,6 +25,8 @@ from archive_tools.local_server import HandlerCounters, LocalTorchServe
 from benchmarks import report
 from benchmarks.inprocess import CeilingProcess
 from benchmarks.load import LoadResult, run_closed_loop, run_open_loop
+from benchmarks.worker_cpu import worker_cpu_s
+from benchmarks.wrk import run_wrk
 from benchmarks.memory import PeakSampler, table_memory_mib, worker_memory
 from benchmarks.scenarios import Scenario
 from benchmarks.traffic import Traffic
@@ -69,18 +71,18 @@ def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None
                 for mode, level in plan:
                     progress.set_postfix_str(f"batch {batch_size}, {workload.name}, {mode} {level:g}")
                     before = server.handler_counters(spec.name)
+                    cpu_before = worker_cpu_s(server.process.pid)
                     if mode == "closed":
-                        result = run_closed_loop(
-                            url, headers, load, int(level), scenario.duration_s, scenario.max_requests
-                        )
+                        result = run_wrk(url, headers, load, int(level), scenario.duration_s)
                     else:
                         result = run_open_loop(url, headers, load, level, scenario.duration_s)
+                    worker_cpu = worker_cpu_s(server.process.pid) - cpu_before
                     formed = server.handler_counters(spec.name).minus(before)
                     k = max(1, round(formed.mean_requests_per_batch))
                     if (workload.name, k) not in ceilings:
                         ceilings[(workload.name, k)] = ceiling.items_per_s(workload.name, k, scenario.ceiling_s)
                     config["runs"].append(
-                        _run_record(workload.name, result, formed, ceilings[(workload.name, k)])
+                        _run_record(workload.name, result, formed, ceilings[(workload.name, k)], worker_cpu)
                     )
                     progress.update()
             config["worker_after_runs"] = dataclasses.asdict(worker_memory(server.process.pid))
@@ -173,10 +175,13 @@ def _register(
     }
 
 
-def _run_record(workload: str, result: LoadResult, formed: HandlerCounters, ceiling: float) -> dict:
+def _run_record(
+    workload: str, result: LoadResult, formed: HandlerCounters, ceiling: float, worker_cpu_s: float
+) -> dict:
     return {
         "workload": workload,
         **result.to_dict(),
+        "worker_cpu_us_per_item": worker_cpu_s / max(1, result.items) * 1e6,
         "formed": {
             "requests": formed.requests,
             "items": formed.forward_items,

@@ -63,7 +63,6 @@ class Scenario:
     max_batch_delay_ms: int
     workloads: tuple[Workload, ...]
     duration_s: float  # per load level
-    max_requests: int  # per load level
     pool_requests: int  # distinct requests generated per workload (cycled)
     targets: tuple[Target, ...] = ()
     build_args: tuple[str, ...] = ()  # extra `torchrec-serve build` options
@@ -92,7 +91,6 @@ SCENARIOS = {
             ),
         ),
         duration_s=1.0,
-        max_requests=2000,
         pool_requests=64,
         measure_two_workers=True,
         ceiling_s=0.3,
@@ -112,7 +110,6 @@ SCENARIOS = {
             ),
         ),
         duration_s=10.0,
-        max_requests=200_000,
         pool_requests=512,
         build_args=("--artifact", "aoti"),
         targets=(

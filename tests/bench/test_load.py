@@ -1,6 +1,7 @@
 """The load generator against a small aiohttp server on a thread of the test process."""
 
 import asyncio
+import collections
 import gc
 import socket
 import threading
@@ -10,15 +11,18 @@ from aiohttp import web
 
 from benchmarks.load import run_closed_loop, run_open_loop
 from benchmarks.traffic import Traffic
+from benchmarks.wrk import run_wrk
+from handlers.runtime.wire.v2_answers import HEADER_LENGTH
 
 
 @pytest.fixture
-def server():
-    """``(url, freeze counts seen by each request)``: a server answering every POST with 200."""
+def server(received):
+    """``(url, freeze counts seen by each request)``: a server answering every POST with 200
+    (and keeping each request's body and headers in ``received``)."""
     seen: list[int] = []
 
     async def answer(request: web.Request) -> web.Response:
-        await request.read()
+        received.append((await request.read(), dict(request.headers)))
         seen.append(gc.get_freeze_count())
         return web.Response(body=b"{}")
 
@@ -51,6 +55,11 @@ def server():
     thread.join(10)
 
 
+@pytest.fixture
+def received():
+    return []
+
+
 TRAFFIC = Traffic(bodies=[b'{"a": 1}', b'{"a": 2}'], items=[1, 3])
 
 
@@ -74,3 +83,22 @@ def test_closed_loop_counts_requests_and_items(server):
 def test_only_loopback_is_loaded():
     with pytest.raises(ValueError, match="only sends to loopback"):
         run_open_loop("http://example.com/p", {}, TRAFFIC, rate=10, duration_s=0.1)
+
+
+def test_wrk_sends_the_bodies_in_turn_with_their_headers_and_counts_what_was_answered(server, received):
+    """Binary bodies too (their JSON header length in its header); the server got every request
+    wrk counted, and at most one more per connection (in flight when wrk stopped)."""
+    url, _ = server
+    traffic = Traffic(bodies=[b'{"a": 1}', b"\x00\n{bin", b'{"c": 3}'], items=[2, 2, 2], header_lengths=[8, 3, 8])
+    result = run_wrk(url, {"Authorization": "Bearer token"}, traffic, concurrency=2, duration_s=1)
+    assert result.client == "wrk" and result.statuses == {"200": result.requests} and result.requests > 20
+    assert result.requests <= len(received) <= result.requests + 2
+    assert result.items == 2 * result.requests
+    assert set(result.latency_ms) == {"p50", "p90", "p99", "p99.9", "mean"} and 0 < result.latency_ms["p50"]
+    assert 0 < result.client_cpu_cores < 1 and not result.client_saturated
+    sent = collections.Counter(body for body, _ in received)
+    assert set(sent) == set(traffic.bodies) and max(sent.values()) - min(sent.values()) <= 1  # in turn
+    for body, headers in received:
+        assert headers["Authorization"] == "Bearer token"
+        assert headers[HEADER_LENGTH] == str(traffic.header_lengths[traffic.bodies.index(body)])
+        assert headers["Content-Type"] == "application/octet-stream"

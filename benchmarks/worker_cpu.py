@@ -1,0 +1,46 @@
+"""The CPU time of TorchServe's Python workers, from the kernel's accounting (``/proc``).
+
+A worker's CPU per item is what the handler costs, protocol included, whatever the client:
+``worker_cpu_s(group)`` before and after a load level, over the items it answered.
+
+    before = worker_cpu_s(server.process.pid)     # the server's process group
+    ...                                           # a load level
+    us_per_item = (worker_cpu_s(server.process.pid) - before) / result.items * 1e6
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+WORKER_SCRIPT = b"model_service_worker.py"
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def worker_cpu_s(group: int) -> float:
+    """User + system CPU seconds of the live worker processes of process group ``group``."""
+    return sum(int(fields[11]) + int(fields[12]) for fields in _workers(group).values()) / _TICKS_PER_S
+
+
+def worker_pids(group: int) -> list[int]:
+    """The live TorchServe worker processes of process group ``group``."""
+    return sorted(_workers(group))
+
+
+def _workers(group: int) -> dict[int, list[bytes]]:
+    """pid -> the fields of /proc/PID/stat after "pid (comm) " (state, ppid, pgrp, ...; utime is
+    the 12th, stime the 13th), for each worker process of the group."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+            if WORKER_SCRIPT not in (entry / "cmdline").read_bytes():
+                continue
+        except OSError:  # gone since the listing
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if int(fields[2]) == group:
+            found[int(entry.name)] = fields
+    return found
