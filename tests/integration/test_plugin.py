@@ -5,6 +5,7 @@ drained scale-down), admission control, the hung-worker watchdog and ``/ping``."
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from archive_tools.model_config import ServingConfig
 from archive_tools.local_server import LocalTorchServe
 from benchmarks.load import BackgroundLoad, run_closed_loop
 from benchmarks.traffic import TrafficModel
+from benchmarks.worker_cpu import worker_pids
 from handlers.modeling.registry import load_spec
 from tests.conftest import TINY_SPEC
 from tests.helpers import QUANTIZATION_TOLERANCE, float_scores, items_request
@@ -27,6 +29,7 @@ from tests.helpers import QUANTIZATION_TOLERANCE, float_scores, items_request
 pytestmark = pytest.mark.integration
 
 ONE = items_request(load_spec(TINY_SPEC), 1, seed=3)
+START_NICE = 10  # StartPriority.START_NICE in the plugin
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +144,48 @@ def test_initial_workers_zero_is_honoured(server, expected):
         _assert_scored(server.predict("idle", ONE), expected)
     finally:
         server.management("DELETE", "/models/idle")
+
+
+def _thread_nices(pid: int) -> set[int]:
+    """The nice of each thread of process ``pid`` (empty once it is gone)."""
+    try:
+        return {os.getpriority(os.PRIO_PROCESS, thread.id) for thread in psutil.Process(pid).threads()}
+    except (psutil.NoSuchProcess, ProcessLookupError):
+        return set()
+
+
+def test_a_starting_worker_runs_below_serving_priority_until_loaded(server, expected):
+    """A worker scaling up starts at nice 10 (Python, imports, load), then serves at nice 0 on
+    every thread; where the server may not raise it back, it never lowers it and says so."""
+    if not _may_raise_priority():
+        assert "new workers start at serving's CPU priority" in server.log_tail()
+        return
+    assert server.register("tiny.mar", model_name="nice", initial_workers=0).status_code == 200
+    try:
+        group = server.process.pid
+        before = set(worker_pids(group))
+        assert server.management("PUT", "/models/nice", params={"min_worker": 1}).status_code == 202
+        seen: dict[int, set[int]] = {}
+
+        def ready() -> bool:
+            for pid in set(worker_pids(group)) - before:
+                seen.setdefault(pid, set()).update(_thread_nices(pid))
+            return len(_ready_pids(server, "nice")) == 1
+
+        _until(ready, timeout_s=120)
+        (pid,) = _ready_pids(server, "nice")
+        assert START_NICE in seen[pid], seen  # while it started
+        _until(lambda: _thread_nices(pid) == {0}, timeout_s=2)  # every thread, once loaded
+        _assert_scored(server.predict("nice", ONE), expected)
+    finally:
+        server.management("DELETE", "/models/nice")
+
+
+def _may_raise_priority() -> bool:
+    """CAP_SYS_NICE, or an RLIMIT_NICE of 20: what the server (our child) needs to raise a worker back."""
+    status = Path("/proc/self/status").read_text()
+    capabilities = int(status.split("CapEff:")[1].split()[0], 16)
+    return bool(capabilities >> 23 & 1) or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
 
 
 def test_describe_shows_the_admission_queue(server):

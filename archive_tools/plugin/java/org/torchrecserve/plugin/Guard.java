@@ -32,6 +32,8 @@ import org.slf4j.LoggerFactory;
  *       reason at once instead of waiting for a restart;
  *   <li>answers health ({@link #problems}) for {@code /ping}.
  * </ul>
+ *
+ * <p>Beside it, {@link StartPriority} starts new workers below serving's CPU priority.
  */
 final class Guard {
     private static final Logger logger = LoggerFactory.getLogger(Guard.class);
@@ -74,6 +76,7 @@ final class Guard {
                                 return thread;
                             });
             timer.scheduleWithFixedDelay(instance::tickSafely, TICK_MS, TICK_MS, TimeUnit.MILLISECONDS);
+            StartPriority.start();
         }
         return instance;
     }
@@ -239,7 +242,7 @@ final class Guard {
         return problems;
     }
 
-    private static List<Model> allModels() {
+    static List<Model> allModels() {
         List<Model> models = new ArrayList<>();
         for (Map.Entry<String, ModelVersionedRefs> entry : ModelManager.getInstance().getAllModels()) {
             for (Map.Entry<String, Model> version : entry.getValue().getAllVersions()) {
