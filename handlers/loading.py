@@ -35,15 +35,16 @@ def load_service(
     gpu_id: int | None = None,
     model_name: str | None = None,
     tables_file: Path | None = None,
+    model_version: str | None = None,
 ) -> ScoringService:
     """The archive folder's model behind a scoring service; ``gpu_id``: the GPU TorchServe gave
     this worker (used by models and dense parts that run on ``cuda``); ``model_name``: the name it
-    was registered under (default: the spec's); ``tables_file``: a copy of the archive's weights
+    was registered under (default: the spec's), ``model_version`` its version; ``tables_file``: a copy of the archive's weights
     file that holds the tables, mapped instead of it (the working copy that deltas change)."""
     model_dir = Path(model_dir)
     schema = Archive(model_dir).inputs
     runner = load_runner(model_dir, schema, options, gpu_id, tables_file)
-    return ScoringService(schema, runner, model_name, threads_for=options.threads_for)
+    return ScoringService(schema, runner, model_name, threads_for=options.threads_for, model_version=model_version)
 
 
 def load_archive(archive: Archive) -> ScoringService:

@@ -62,7 +62,10 @@ class DLRMHandler:
         config = FreshnessConfig.from_mapping((context.model_yaml_config or {}).get("freshness"))
         freshness = self.freshness = WorkerFreshness.open(model_dir, options, config)  # the tables' working copy
         tables = freshness.weights_file if isinstance(freshness, WorkerFreshness) else None
-        self.service = load_service(model_dir, options, gpu_id, model_name=context.model_name, tables_file=tables)
+        version = (context.manifest or {}).get("model", {}).get("modelVersion")
+        self.service = load_service(
+            model_dir, options, gpu_id, model_name=context.model_name, tables_file=tables, model_version=version
+        )
         if isinstance(freshness, WorkerFreshness):
             freshness.start(self.service.model)  # the model's delta log replayed before the first request
             self.service.model = LockedRunner(self.service.model, freshness.lock)

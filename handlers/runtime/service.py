@@ -69,7 +69,7 @@ class ScoringService:
     A batch smaller than ``schema.min_requests`` (a graph captured with TorchAO's int8 dynamic
     quantization takes 2) is padded with empty requests, whose outputs are dropped; a batch with
     no id at all (every bag empty) gets one more request, holding one id.
-    ``model_name``: the name answers carry where the protocol names the model; ``threads_for``:
+    ``model_name``, ``model_version``: what answers carry where the protocol names the model; ``threads_for``:
     the intra-op threads for a forward of so many items (None: leave torch's setting alone).
     """
 
@@ -79,10 +79,11 @@ class ScoringService:
         model: Runner,
         model_name: str | None = None,
         threads_for: Callable[[int], int] | None = None,
+        model_version: str | None = None,
     ) -> None:
         self.schema = schema
         self.model = model
-        self.decoder = RequestDecoder(schema, model_name)
+        self.decoder = RequestDecoder(schema, model_name, model_version)
         self.tags = schema.tags
         self.threads_for = threads_for
 

@@ -69,13 +69,13 @@ class _Sent(NamedTuple):
 
 
 class RequestDecoder:
-    """Decodes and validates requests for one model's inputs; ``model_name`` is the name answers
-    carry where the protocol names the model (KServe v2)."""
+    """Decodes and validates requests for one model's inputs; ``model_name`` and ``model_version``
+    are what answers carry where the protocol names the model (KServe v2)."""
 
-    def __init__(self, schema: InputSchema, model_name: str | None = None) -> None:
+    def __init__(self, schema: InputSchema, model_name: str | None = None, model_version: str | None = None) -> None:
         self.schema = schema
         checks = RequestChecks(schema)
-        self._v2 = V2Decoder(schema, checks, model_name or schema.model)
+        self._v2 = V2Decoder(schema, checks, model_name or schema.model, model_version)
         self._v2_only = schema.output == Output.EMBEDDINGS
         if self._v2_only:
             return

@@ -32,8 +32,11 @@ comes back the same way.
 
 The answer::
 
-    {"model_name": "criteo", "id": "r1",
+    {"model_name": "criteo", "model_version": "1.0", "id": "r1",
      "outputs": [{"name": "scores", "datatype": "FP32", "shape": [n], "data": [...]}]}
+
+(``model_version`` where the server knows it; the same JSON reaches a gRPC client of the Open
+Inference Protocol's ``ModelInfer`` as TorchServe's ``ModelInferResponse``.)
 
 and an error is ``{"error": "<field>: <problem>"}`` with its 4xx status.
 """
@@ -62,7 +65,8 @@ INT_TYPES = {
     "UINT8": "u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8",
 }
 OUTPUTS = ("scores", "logits")
-_REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
+# model_name: TorchServe's gRPC ModelInfer (Open Inference Protocol) copies it into the body
+_REQUEST_KEYS = frozenset({"id", "model_name", "parameters", "inputs", "outputs"})
 _TENSOR_KEYS = frozenset({"name", "shape", "datatype", "parameters", "data"})
 _OUTPUT_KEYS = frozenset({"name", "parameters"})
 
@@ -82,10 +86,13 @@ class V2Decoder:
     """A parsed v2 request (its JSON header, and the bytes after it for binary tensors) -> the
     request's inputs, answered by a ``V2Encoder``."""
 
-    def __init__(self, schema: InputSchema, checks: RequestChecks, model_name: str) -> None:
+    def __init__(
+        self, schema: InputSchema, checks: RequestChecks, model_name: str, model_version: str | None = None
+    ) -> None:
         self.schema = schema
         self.checks = checks
         self.model_name = model_name
+        self.model_version = model_version
         jagged = schema.jagged.name
         self.embeddings = schema.output == Output.EMBEDDINGS
         self.default_output = EMBEDDINGS if self.embeddings else "scores"
@@ -104,14 +111,16 @@ class V2Decoder:
         """How to answer ``body``, as far as it can be read (errors need no more than this)."""
         request_id = body.get("id")
         return V2Encoder(
-            self.model_name, request_id if isinstance(request_id, str) else None, (self.default_output,)
+            self.model_name, request_id if isinstance(request_id, str) else None, (self.default_output,),
+            model_version=self.model_version,
         )
 
     def decode(self, body: dict, binary: memoryview | None = None) -> DecodedRequest:
         reject_unknown(body, _REQUEST_KEYS, "")
         request_id = body.get("id")
-        if request_id is not None and not isinstance(request_id, str):
-            raise BadRequest("id", f"must be a string, got {json_type(request_id)}")
+        for key in ("id", "model_name"):
+            if body.get(key) is not None and not isinstance(body[key], str):
+                raise BadRequest(key, f"must be a string, got {json_type(body[key])}")
         parameters = _parameters(body, "parameters")
         tensors = self._tensors(body.get("inputs"), binary)
         rows = self._rows(tensors)
@@ -124,7 +133,8 @@ class V2Decoder:
         outputs, binary_outputs = self._outputs(body.get("outputs"), parameters.get("binary_data_output"))
         bags = self._bags(tensors, rows.ids.lengths.numpy()) if self.names["bags"] in tensors else None
         encoder = V2Encoder(
-            self.model_name, request_id, outputs, binary_outputs, bags, self.schema.embedding_widths
+            self.model_name, request_id, outputs, binary_outputs, bags, self.schema.embedding_widths,
+            self.model_version,
         )
         return DecodedRequest(RequestInputs(rows.dense.shape[0], inputs), encoder, rows.hashed_ids)
 

@@ -32,6 +32,7 @@ class V2Encoder:
     binary: frozenset[str] = frozenset()
     bags: tuple[int, ...] | None = None
     widths: tuple[int, ...] = ()
+    model_version: str | None = None  # the registered version, where known (the OIP gRPC answer needs it)
 
     def answer(self, output: torch.Tensor) -> Response:
         if self.outputs == (EMBEDDINGS,):
@@ -45,6 +46,8 @@ class V2Encoder:
         else:
             values = {"scores": torch.sigmoid(output), "logits": output}
         header: dict[str, Any] = {"model_name": self.model_name}
+        if self.model_version is not None:
+            header["model_version"] = self.model_version
         if self.request_id is not None:
             header["id"] = self.request_id
         tensors, blobs = [], []
