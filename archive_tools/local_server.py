@@ -46,12 +46,14 @@ _PORT_KEYS = {
 class HandlerCounters:
     """Our handler's counters for one model (see ``handlers.torchserve_handler``), all workers.
 
-    ``batches``: {requests in a TorchServe batch: how many such batches}.
+    ``batches``: {requests in a TorchServe batch: how many such batches}; ``forward_ms``: the
+    time the workers spent in forwards (``HandlerStageMilliseconds{Stage="forward"}``).
     """
 
     batches: dict[int, int]
     forwards: int
     forward_items: int
+    forward_ms: float = 0.0
 
     def minus(self, earlier: "HandlerCounters") -> "HandlerCounters":
         """What happened between ``earlier`` and these counters."""
@@ -60,6 +62,7 @@ class HandlerCounters:
             batches={k: v for k, v in batches.items() if v},
             forwards=self.forwards - earlier.forwards,
             forward_items=self.forward_items - earlier.forward_items,
+            forward_ms=self.forward_ms - earlier.forward_ms,
         )
 
     @property
@@ -275,6 +278,7 @@ class LocalTorchServe:
         text = self.scrape(model)
         batches: dict[int, int] = {}
         totals = {"HandlerForwards": 0, "HandlerForwardItems": 0}
+        forward_ms = 0.0
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.labels.get("ModelName") != model:
@@ -284,10 +288,13 @@ class LocalTorchServe:
                     batches[size] = batches.get(size, 0) + int(sample.value)
                 elif family.name in totals:
                     totals[family.name] += int(sample.value)
+                elif family.name == "HandlerStageMilliseconds" and sample.labels.get("Stage") == "forward":
+                    forward_ms += sample.value
         return HandlerCounters(
             batches=batches,
             forwards=totals["HandlerForwards"],
             forward_items=totals["HandlerForwardItems"],
+            forward_ms=forward_ms,
         )
 
     def predict(

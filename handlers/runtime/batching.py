@@ -26,11 +26,10 @@ Batch = dict[str, BatchInput]
 def coalesce(requests: Sequence[RequestInputs], tags: Sequence[InputTag]) -> Batch:
     """Concatenates K requests (or parts of several, ``RequestInputs.item_counts``) into the
     inputs of one forward over all their items."""
-    counts = torch.tensor([c for r in requests for c in r.counts], dtype=torch.int64)
     batch: Batch = {}
     for tag in tags:
         if tag.kind == BatchKind.ITEM_COUNTS:
-            batch[tag.name] = counts
+            batch[tag.name] = torch.tensor([c for r in requests for c in r.counts], dtype=torch.int64)
             continue
         parts = [r.tensors[tag.name] for r in requests]
         if tag.kind in (BatchKind.ROWS, BatchKind.CONTEXT):
@@ -110,6 +109,8 @@ def padding_request(like: RequestInputs, tags: Sequence[InputTag], with_ids: boo
 
 def split_outputs(output: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
     """[N, ...] -> one [n_k, ...] tensor per request, in request order."""
+    if len(counts) == 1:  # one request: its output whole (a split costs more than the encoding)
+        return [output]
     return list(torch.split(output, list(counts), dim=0))
 
 

@@ -86,6 +86,7 @@ class ScoringService:
         self.decoder = RequestDecoder(schema, model_name, model_version)
         self.tags = schema.tags
         self.threads_for = threads_for
+        self._scores = schema.output == Output.SCORES
 
     def handle(self, payloads: Sequence[Any]) -> HandledBatch:
         watch = _Stopwatch()
@@ -105,7 +106,7 @@ class ScoringService:
             positions = [index for i in chunk for index in parts[i].positions]
             encoders = [encoder for i in chunk for encoder in parts[i].encoders]
             try:
-                logits = self.logits([parts[i].inputs for i in chunk], watch)
+                output, counts = self._forward([parts[i].inputs for i in chunk], watch)
             except ServingError as error:  # e.g. a dense host's shard is down: 503 naming it
                 logger.debug("forward of %d requests answered %d: %s", len(positions), error.status, error.message)
                 for index, encoder in zip(positions, encoders):
@@ -116,9 +117,11 @@ class ScoringService:
                 for index, encoder in zip(positions, encoders):
                     responses[index] = encoder.error(InternalError("model forward failed"))
                 continue
-            with watch("encode"):
-                for index, encoder, request_logits in zip(positions, encoders, logits):
-                    responses[index] = encoder.answer(request_logits)
+            with watch("encode"):  # sigmoid once for the chunk, not once per request
+                logits = split_outputs(output, counts)
+                scores = split_outputs(torch.sigmoid(output), counts) if self._scores else [None] * len(counts)
+                for index, encoder, request_logits, request_scores in zip(positions, encoders, logits, scores):
+                    responses[index] = encoder.answer(request_logits, request_scores)
         stats = BatchStats(
             stage_ms=watch.ms,
             forward_items=forward_items,
@@ -127,12 +130,14 @@ class ScoringService:
         )
         return HandledBatch(responses, stats)  # type: ignore[arg-type]  # every index answered
 
-    def logits(
-        self, requests: Sequence[RequestInputs], watch: _Stopwatch | None = None
-    ) -> list[torch.Tensor]:
+    def logits(self, requests: Sequence[RequestInputs]) -> list[torch.Tensor]:
         """One forward over all items of ``requests`` (each one request's inputs, or a part of
         several); logits [n_k] per request (an embedding shard's: embeddings [n_k, W])."""
-        watch = watch or _Stopwatch()
+        return split_outputs(*self._forward(requests, _Stopwatch()))
+
+    def _forward(self, requests: Sequence[RequestInputs], watch: _Stopwatch) -> tuple[torch.Tensor, list[int]]:
+        """The forward's output for the items of ``requests``: logits [N] (an embedding shard's
+        embeddings [N, W]), and the items of each request, in order."""
         with watch("coalesce"):
             padded = list(requests)
             missing = self.schema.min_requests - sum(len(r.counts) for r in padded)
@@ -152,4 +157,5 @@ class ScoringService:
         # scores: logits [N]; an embedding shard: each item's pooled embeddings as one row [N, W]
         output = output.reshape(-1) if self.schema.output == Output.SCORES else output.flatten(1)
         counts = [c for r in requests for c in r.counts]
-        return split_outputs(output[: sum(counts)], counts)
+        items = sum(counts)
+        return (output if output.shape[0] == items else output[:items]), counts

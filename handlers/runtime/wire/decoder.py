@@ -166,7 +166,7 @@ class RequestDecoder:
                     "missing_field",
                 )
             read = self._read_json(body)
-            refuse_duplicate_keys(payload, self._items.key_count(body) if "items" in body else len(body))
+            refuse_duplicate_keys(payload, len(body) + (read.items.keys if isinstance(read, _Sent) else 0))
             return read
         except ServingError as error:
             raise Rejected(error, encoder) from None

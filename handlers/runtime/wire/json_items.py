@@ -34,10 +34,12 @@ _NO_SPARSE: dict = {}  # an item without "sparse"; only ever read
 
 class SentItems(NamedTuple):
     """One request's items as sent, checked for shape (objects, keys, feature names) but not yet
-    for values: ``dense`` [n] rows and ``bags`` [n][F] (each feature's bag, ``[]`` if left out)."""
+    for values: ``dense`` [n] rows, ``bags`` [n][F] (each feature's bag, ``[]`` if left out), and
+    ``keys``, how many keys its item objects hold (``json_values.refuse_duplicate_keys``)."""
 
     dense: list[Any]
     bags: list[list[Any]]
+    keys: int
 
 
 class ItemsDecoder:
@@ -62,6 +64,7 @@ class ItemsDecoder:
         features, feature_set, no_bags = self._features, self._feature_set, self._no_bags
         dense_rows: list[Any] = []
         item_bags: list[list[Any]] = []
+        keys = 0
         for i, item in enumerate(items):
             if not isinstance(item, dict):
                 raise BadRequest(f"items[{i}]", f"must be an object, got {json_type(item)}")
@@ -76,7 +79,10 @@ class ItemsDecoder:
             if not sparse.keys() <= feature_set:
                 raise BadRequest(f"items[{i}].sparse.{min(sparse.keys() - feature_set)}", "unknown feature")
             item_bags.append(list(map(sparse.get, features, no_bags)))
-        return SentItems(dense_rows, item_bags)
+            keys += len(item) + len(sparse)
+        if self.schema.weighted_ids:  # and the keys of each {"ids", "weights"} bag
+            keys += sum(len(bag) for bags in item_bags for bag in bags if type(bag) is dict)
+        return SentItems(dense_rows, item_bags, keys)
 
     def rows(self, sent: Sequence[SentItems]) -> DecodedRows:
         """The items of ``sent``, in order, as rows [N, D] and feature-major bags [F, N]. Field
@@ -112,18 +118,6 @@ class ItemsDecoder:
         ids, hashed = self.checks.ids(ids, lengths, field_of)
         weights = self._weights(resolved, lengths, len(values))
         return DecodedRows.from_arrays(dense, lengths, ids, weights, hashed)
-
-    def key_count(self, body: dict) -> int:
-        """Keys in all objects of a body this decoder accepted (``json_values.refuse_duplicate_keys``)."""
-        items = body["items"]
-        count = len(body) + sum(map(len, items))
-        for item in items:
-            sparse = item.get("sparse")
-            if sparse:
-                count += len(sparse)
-                if self.schema.weighted_ids:
-                    count += sum(len(bag) for bag in sparse.values() if type(bag) is dict)
-        return count
 
     def _weights(
         self, resolved: list[tuple[list, list]] | None, lengths: np.ndarray, count: int

@@ -42,8 +42,9 @@ class BinaryBody:
 
 
 class Encoder(Protocol):
-    def answer(self, output: torch.Tensor) -> Response:
-        """The answer for one request's output: logits [n], or an embedding shard's rows [n, W]."""
+    def answer(self, output: torch.Tensor, scores: torch.Tensor | None = None) -> Response:
+        """The answer for one request's output: logits [n] (with their sigmoid, ``scores``, where
+        the caller has it), or an embedding shard's rows [n, W]."""
 
     def error(self, error: ServingError) -> Response:
         """The answer when the request fails."""
@@ -58,8 +59,8 @@ class JsonEncoder:
     return_logits: bool = False
     default: bool = False
 
-    def answer(self, logits: torch.Tensor) -> Response:
-        body: dict[str, list[float]] = {"scores": torch.sigmoid(logits).tolist()}
+    def answer(self, logits: torch.Tensor, scores: torch.Tensor | None = None) -> Response:
+        body: dict[str, list[float]] = {"scores": (torch.sigmoid(logits) if scores is None else scores).tolist()}
         if self.return_logits or self.default:
             values = logits.tolist()
             if self.return_logits:

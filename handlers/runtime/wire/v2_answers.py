@@ -34,7 +34,7 @@ class V2Encoder:
     widths: tuple[int, ...] = ()
     model_version: str | None = None  # the registered version, where known (the OIP gRPC answer needs it)
 
-    def answer(self, output: torch.Tensor) -> Response:
+    def answer(self, output: torch.Tensor, scores: torch.Tensor | None = None) -> Response:
         if self.outputs == (EMBEDDINGS,):
             if self.bags is not None:  # [n, W] -> each feature's [bags_f, D_f], flat
                 starts = itertools.accumulate(self.widths, initial=0)
@@ -44,7 +44,7 @@ class V2Encoder:
                 ])
             values = {EMBEDDINGS: output}
         else:
-            values = {"scores": torch.sigmoid(output), "logits": output}
+            values = {"scores": torch.sigmoid(output) if scores is None else scores, "logits": output}
         header: dict[str, Any] = {"model_name": self.model_name}
         if self.model_version is not None:
             header["model_version"] = self.model_version
