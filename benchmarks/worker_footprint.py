@@ -35,6 +35,7 @@ _PROBE = textwrap.dedent("""
         system_properties = {"model_dir": folder, "gpu_id": None}
         model_yaml_config = yaml.safe_load(open(os.path.join(folder, sys.argv[2])))
         model_name = "footprint"
+        manifest: dict = {}
 
     torchserve_handler.DLRMHandler().initialize(Context())
     loaded = time.perf_counter()

@@ -105,7 +105,7 @@ def run_wrk(
             process.returncode = os.waitstatus_to_exitcode(status)
             out.seek(0)
             printed = out.read().decode(errors="replace")
-    if process.returncode != 0 or not printed.strip().splitlines()[-1].startswith("{"):
+    if process.returncode != 0 or not printed.strip() or not printed.strip().splitlines()[-1].startswith("{"):
         raise RuntimeError(f"wrk failed ({process.returncode}):\n{printed[-2000:]}")
     figures = orjson.loads(printed.strip().splitlines()[-1])
     wall_s = figures["duration_us"] / 1e6

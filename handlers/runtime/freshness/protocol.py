@@ -5,7 +5,8 @@ Calls go through files in the model's folder (``freshness-calls/``), off the inf
 out of reach of inference clients: the plugin writes ``<id>.call`` whole (by a rename); one of
 the model's workers claims it (renaming it to ``<id>.claimed``), writes ``<id>.reply`` whole, and
 removes its claim. A worker whose archive takes no deltas writes ``refused.json`` at load
-instead, which the plugin answers with a 409. The plugin's side is ``FreshnessCalls.java``; a
+instead (when the plugin registered the model and named its delta log), which the plugin answers
+with a 409. The plugin's side is ``FreshnessCalls.java``; a
 test checks that both spell the names and the protocol version alike.
 
     {"protocol": 1, "op": "check", "delta": "/store/deltas/m-00000003.delta"}  -> Checked

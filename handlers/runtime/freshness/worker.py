@@ -178,7 +178,10 @@ class WorkerFreshness:
     def _answer_calls(self) -> None:
         while True:
             time.sleep(CALLS_EVERY_S)
-            self.mailbox.answer_waiting(self.answer)
+            try:
+                self.mailbox.answer_waiting(self.answer)
+            except Exception:  # an unreadable mailbox must not stop this worker answering the next call
+                logger.exception("answering the plugin's freshness calls failed")
 
     def _follow(self) -> None:
         lower_this_thread()  # serving first: the writer gets the cores' idle time

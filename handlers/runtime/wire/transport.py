@@ -49,7 +49,7 @@ def opened(arrival: Arrival, max_bytes: int) -> Any:
         encoding = arrival.content_encoding.strip().lower()
         if encoding == "gzip":
             body = _gunzip(body, max_bytes)
-        elif encoding != "identity":
+        elif encoding not in ("identity", ""):  # an empty header names no encoding
             raise UnsupportedMediaType("Content-Encoding", f"{encoding!r} is not supported: send gzip or identity")
     if arrival.header_length is None:
         return body

@@ -68,6 +68,11 @@ def test_other_encodings_are_a_415(tiny_spec):
     assert error.field == "Content-Encoding" and "'br'" in error.message
 
 
+@pytest.mark.parametrize("encoding", ["identity", " Identity ", ""])
+def test_identity_and_an_empty_encoding_leave_the_body_as_sent(encoding):
+    assert opened(Arrival(BODY, "application/json", content_encoding=encoding), max_bytes=1 << 20) == BODY
+
+
 def test_a_form_body_is_a_415_with_the_fix(tiny_spec):
     """curl -d sends a form; TorchServe then hands over its fields, not the body."""
     error = _refusal(tiny_spec, Arrival(None, "application/x-www-form-urlencoded"))
