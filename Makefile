@@ -11,7 +11,7 @@ SCENARIO ?= smoke
 
 .PHONY: setup java wrk plugin demo test bench clean
 
-setup: java wrk $(STAMP) plugin
+setup: java $(STAMP) plugin
 
 # The TorchServe plugin jar, rebuilt when its Java sources or TorchServe change.
 plugin: $(STAMP)
@@ -32,15 +32,17 @@ java:
 	fi
 
 # The benchmarks' closed-loop client (benchmarks/wrk.py): a Python client saturates below
-# TorchServe's own floor on a small machine. Installed with apt when we are root, else explained
-# (everything but the benchmarks' closed-loop points works without it).
+# TorchServe's own floor on a small machine. The tests run the benchmarks' smoke scenarios, so
+# `make test` and `make bench` need it (`make demo` does not). Installed with apt when we are
+# root, else explained.
 wrk:
 	@if ! command -v wrk >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "wrk not found: installing it (the benchmarks' load generator)"; \
 	    apt-get update -qq && apt-get install -y -qq wrk; \
 	  else \
-	    echo "note: the benchmarks' closed-loop points need wrk: e.g. sudo apt-get install wrk"; \
+	    echo "The tests and benchmarks need wrk, the benchmarks' load generator (not found)."; \
+	    echo "Install it, e.g.: sudo apt-get install wrk"; exit 1; \
 	  fi; \
 	fi
 
@@ -63,10 +65,10 @@ demo: setup
 # Two processes, a test file each at a time (its servers and archives stay its own): most tests
 # wait on servers and loads, so two share this machine's two cores well. Files go in the order
 # tests/conftest.py gives (the slowest first), and the ten slowest tests are listed.
-test: setup
+test: setup wrk
 	$(BIN)/python -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder --durations=10 tests
 
-bench: setup
+bench: setup wrk
 	$(BIN)/torchrec-serve bench $(SCENARIO)
 
 clean:
