@@ -42,7 +42,6 @@ def delta_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", action="store_true", help="check it against a fresh build from --checkpoint")
 
 
-
 def build_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--spec", required=True, help="model spec: a YAML file, or a shipped spec's name (criteo)"
@@ -104,7 +103,6 @@ def build_args(parser: argparse.ArgumentParser) -> None:
     verification_args(parser)
 
 
-
 def serving_args(parser: argparse.ArgumentParser) -> None:
     """TorchServe's settings and ours, written to the archive's model-config.yaml."""
     parser.add_argument(
@@ -152,7 +150,6 @@ def verify_args(parser: argparse.ArgumentParser) -> None:
     verification_args(parser)
 
 
-
 def verification_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--validation",
@@ -182,7 +179,6 @@ def verification_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-
 def serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("archives", nargs="*", help="archives in the model store to register")
     parser.add_argument(
@@ -194,10 +190,8 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-
 def launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("layout", type=Path, help="layout file: model_store, dense and shards (archive, hosts)")
-
 
 
 def bench_args(parser: argparse.ArgumentParser) -> None:
