@@ -5,8 +5,9 @@ Both are built from the same spec and seed (the same tables, byte for byte) and 
 same load, one after the other. Written to ``distributed.json``:
 
 * ``single_host_100cand_items_per_s``, ``di_100cand_items_per_s``: 100-candidate requests, closed
-  loop at concurrency 8;
+  loop at concurrency 8 (``wrk``);
 * ``single_host_p50_ms``, ``di_p50_ms``, ``di_extra_p50_ms``: the same requests one at a time;
+* ``clients``: each of those points' client, its CPU in cores and whether it was saturated;
 * ``max_score_diff``: the layout's scores against the single host's, on the same requests;
 * ``shard_answer_kib_per_request``: the pooled embeddings the shards answer for one request (each
   distinct bag once), against ``shard_answer_kib_per_request_all_bags`` (every item's every bag);
@@ -44,6 +45,7 @@ from tqdm import tqdm  # noqa: E402
 from archive_tools.launcher import HostGroup, LayoutFile, LocalLayout  # noqa: E402
 from archive_tools.local_server import LocalTorchServe  # noqa: E402
 from benchmarks.load import BackgroundLoad, run_closed_loop  # noqa: E402
+from benchmarks.wrk import run_wrk  # noqa: E402
 from benchmarks.memory import worker_memory  # noqa: E402
 from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS  # noqa: E402
 from benchmarks.traffic import Traffic, TrafficModel  # noqa: E402
@@ -154,6 +156,8 @@ def _compared(single: dict, distributed: dict) -> dict:
         "single_host_statuses": single["statuses"],
         "di_statuses": distributed["statuses"],
         "max_score_diff": float(np.max(np.abs(single["scores"] - distributed["scores"]))),
+        "clients": {**{f"single_host_{k}": v for k, v in single["clients"].items()},
+                    **{f"di_{k}": v for k, v in distributed["clients"].items()}},
     }
 
 
@@ -245,9 +249,9 @@ def _measure(server: LocalTorchServe, model: str, traffic: Traffic, duration_s: 
     scores of the first 16 requests."""
     url = f"{server.inference_url}/predictions/{model}"
     auth = server.auth("inference")
-    run_closed_loop(url, auth, traffic, 8, min(duration_s, 5.0), 10**6)  # warm-up (and shard timings)
-    loaded = run_closed_loop(url, auth, traffic, 8, duration_s, 10**6)
-    solo = run_closed_loop(url, auth, traffic, 1, duration_s, 10**6)
+    run_wrk(url, auth, traffic, 8, min(duration_s, 5.0))  # warm-up (and shard timings)
+    loaded = run_wrk(url, auth, traffic, 8, duration_s)
+    solo = run_wrk(url, auth, traffic, 1, duration_s)
     scores = []
     for body in traffic.bodies[:16]:
         response = _ok(requests.post(url, data=body, headers={**auth, "Content-Type": "application/json"}, timeout=60))
@@ -258,6 +262,8 @@ def _measure(server: LocalTorchServe, model: str, traffic: Traffic, duration_s: 
         "p99_ms": solo.latency_ms["p99"],
         "statuses": {k: loaded.statuses.get(k, 0) + solo.statuses.get(k, 0) for k in {*loaded.statuses, *solo.statuses}},
         "scores": np.asarray(scores, dtype=np.float64),
+        "clients": {point: {"client": r.client, "cpu_cores": round(r.client_cpu_cores, 3), "saturated": r.client_saturated}
+                    for point, r in (("c8", loaded), ("c1", solo))},
     }
 
 
@@ -326,6 +332,9 @@ def _summary(figures: dict) -> str:
                 "shard_answer_kib_per_request_all_bags", "shard_lookups_p50_ms", "shard_handler_ms_per_call"):
         lines.append(f"  {key:<34}{figures[key]:>14,.6g}")
     lines.append(f"  shard_down_statuses {figures['shard_down_statuses']}")
+    lines.append("clients (cores; * saturated):")
+    for point, client in figures["clients"].items():
+        lines.append(f"  {point:<34}{client['client']:>6} {client['cpu_cores']:>6.2f}{'*' if client['saturated'] else ''}")
     return "\n".join(lines) + "\n"
 
 

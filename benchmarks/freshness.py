@@ -30,7 +30,9 @@ transition (register 2.0, set it default, unregister 1.0). Writes
   ``serving_p99_ratio_outside_stalls``: the p99s again without the requests in flight during one;
 * ``cpu_busy_cores_idle``, ``cpu_busy_cores_during``: the machine's CPU time in use (user, system
   and interrupts, every process), in cores, over the idle and over the publishing stretches;
-* ``failed_requests``: non-200 answers over the whole run;
+* ``failed_requests``: non-200 answers over the whole run; ``load_client_cpu_cores``,
+  ``load_client_saturated``: the open loop's client (Python), its CPU in cores and whether it was
+  saturated (then the load was the client's pace, not the rate asked for);
 * ``rss_growth_mib``: the server's anonymous memory (frontend and workers, ``RssAnon``), after the
   publishing against before; mapped table pages that the writer touched are page cache, shared
   and reclaimable, and reported apart (``rss_total_growth_mib``) next to the bytes of the deltas;
