@@ -22,7 +22,12 @@ beside its figure) and ``speed.png``:
 * the handler's cost, one item per request at concurrency 32: ``worker_cpu_us_per_item_c32`` (the
   model's worker CPU per item, from /proc), ``floor_worker_cpu_us_per_item_c32`` (the no-op
   worker's: TorchServe's own Python protocol), ``forward_us_per_item_b32`` (the forward alone, in
-  process, batch 32) and ``handler_us_per_item_c32`` (the rest: the handler's own);
+  process, batch 32) and ``handler_us_per_item_c32`` (the rest: the handler's own, and what the
+  forward costs more served than in process); ``served_forward_us_per_item_c32``: the forward as
+  served (the worker's time in forwards, from the handler's stage counters), which shares the
+  cores and their caches with the frontend and the client; ``inprocess_handler_us_per_item_b32``:
+  the handler's own work in process (``ScoringService.handle`` on 32 one-item requests, less the
+  forward);
 * ``clients``: for each point, the load generator (``wrk`` for REST closed loops, the Python
   client for gRPC), its CPU in cores and whether it was saturated (then the point may be the
   client's pace, not the server's; the plot hatches it).
@@ -43,7 +48,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import orjson  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from archive_tools.local_server import LocalTorchServe  # noqa: E402
+from archive_tools.local_server import HandlerCounters, LocalTorchServe  # noqa: E402
 from benchmarks.inprocess import CeilingProcess  # noqa: E402
 from benchmarks.load import LoadResult, run_closed_loop_grpc  # noqa: E402
 from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS  # noqa: E402
@@ -86,70 +91,101 @@ def run_speed(scenario: SpeedScenario, out_dir: Path) -> dict:
     tensors = candidates.as_tensors(schema)
     figures: dict = {"json_decode_us_per_item": _decode_us_per_item(schema, candidates),
                      "tensor_decode_us_per_item": _decode_us_per_item(schema, tensors)}
-    clients: dict = {}  # each point's client: which, its CPU in cores, saturated or not
     store = out_dir / "model_store"
     archive = _build(scenario, spec.name, store)
     progress = tqdm(total=9, desc=scenario.name, unit="level")
     with LocalTorchServe(model_store=store) as server:
-        auth = server.auth("inference")
-
-        def serve(point: str, model: str, traffic: Traffic, concurrency: int) -> tuple[LoadResult, float]:
-            """The point's result (wrk, closed loop) and its workers' CPU microseconds per item."""
-            progress.set_postfix_str(point)
-            url = f"{server.inference_url}/{'v2/models/' + model + '/infer' if traffic.header_lengths else 'predictions/' + model}"
-            run_wrk(url, auth, traffic, 4, 2.0)  # warm-up
-            before = worker_cpu_s(server.process.pid)
-            result = run_wrk(url, auth, traffic, concurrency, scenario.seconds)
-            cpu_us_per_item = (worker_cpu_s(server.process.pid) - before) / max(1, result.items) * 1e6
-            clients[point] = _client(result)
-            progress.update()
-            return result, cpu_us_per_item
-
-        _register(server, "noop", batch_size=1)
-        figures["floor_c1_p50_ms"] = serve("floor_c1", "noop", one_item, 1)[0].latency_ms["p50"]
-        _register(server, "noop", batch_size=32)
-        floor, figures["floor_worker_cpu_us_per_item_c32"] = serve("floor_c32", "noop", one_item, 32)
-        figures["floor_c32_items_per_s"] = floor.items_per_s
-        figures["floor_c32_p99_ms"] = floor.latency_ms["p99"]
-        figures["floor_100cand_items_per_s"] = serve("floor_100cand", "noop", candidates, 32)[0].items_per_s
-
-        _register(server, spec.name, batch_size=1)
-        figures["one_item_c1_p50_ms"] = serve("one_item_c1", spec.name, one_item, 1)[0].latency_ms["p50"]
-        _register(server, spec.name, batch_size=32)
-        before = server.handler_counters(spec.name)
-        one, figures["worker_cpu_us_per_item_c32"] = serve("one_item_c32", spec.name, one_item, 32)
-        formed_one = server.handler_counters(spec.name).minus(before)
-        figures["one_item_c32_items_per_s"] = one.items_per_s
-        figures["one_item_c32_p99_ms"] = one.latency_ms["p99"]
-        figures["json_100cand_items_per_s"] = serve("json_100cand", spec.name, candidates, 32)[0].items_per_s
-        before = server.handler_counters(spec.name)
-        figures["tensor_100cand_items_per_s"] = serve("tensor_100cand", spec.name, tensors, 32)[0].items_per_s
-        formed = server.handler_counters(spec.name).minus(before)
-        progress.set_postfix_str("gRPC")
-        grpc = _grpc(server, spec.name, tensors, scenario.seconds)
-        figures["grpc_100cand_items_per_s"] = grpc.items_per_s
-        clients["grpc_100cand"] = _client(grpc)
-        progress.update()
-        server.management("DELETE", f"/models/{spec.name}").raise_for_status()
+        points = _Points(server, scenario.seconds, progress)
+        figures.update(_floor(points, one_item, candidates))
+        formed_one, formed = _served(points, spec.name, one_item, candidates, tensors, figures)
     progress.set_postfix_str("in-process ceiling")
     figures["formed_one_item_c32_requests_per_batch"] = formed_one.mean_requests_per_batch
     figures["formed_100cand_requests_per_batch"] = formed.mean_requests_per_batch
     with CeilingProcess(archive, {"tensor": tensors, "one": one_item}, 2) as ceiling:  # at the batches the server formed
         figures["ceiling_100cand_items_per_s"] = ceiling.items_per_s("tensor", max(1, round(formed.mean_requests_per_batch)))
         figures["forward_us_per_item_b32"] = ceiling.forward_us_per_item("one", 32)
+        # the handler's own work on the same batches in process: handle() less the forward
+        figures["inprocess_handler_us_per_item_b32"] = (
+            1e6 / ceiling.items_per_s("one", 32) - figures["forward_us_per_item_b32"])
     figures["handler_us_per_item_c32"] = (
         figures["worker_cpu_us_per_item_c32"] - figures["floor_worker_cpu_us_per_item_c32"]
         - figures["forward_us_per_item_b32"]
     )
     progress.update()
     progress.close()
-    results = {"scenario": scenario.name, "spec": spec.name, **figures, "clients": clients,
+    results = {"scenario": scenario.name, "spec": spec.name, **figures, "clients": points.clients,
                "targets": _targets(figures)}
     (out_dir / "speed.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     (out_dir / "summary.txt").write_text(_summary(results))
     _plot(results, out_dir / "speed.png")
     print(_summary(results))
     return results
+
+
+class _Points:
+    """Serves closed-loop points on one TorchServe with wrk, keeping each point's client."""
+
+    def __init__(self, server: LocalTorchServe, seconds: float, progress: tqdm) -> None:
+        self.server = server
+        self.auth = server.auth("inference")
+        self.seconds = seconds
+        self.progress = progress
+        self.clients: dict = {}  # each point's client: which, its CPU in cores, saturated or not
+
+    def serve(self, point: str, model: str, traffic: Traffic, concurrency: int) -> tuple[LoadResult, float]:
+        """The point's result (wrk, closed loop) and its workers' CPU microseconds per item."""
+        self.progress.set_postfix_str(point)
+        server = self.server
+        route = f"v2/models/{model}/infer" if traffic.header_lengths else f"predictions/{model}"
+        url = f"{server.inference_url}/{route}"
+        run_wrk(url, self.auth, traffic, 4, 2.0)  # warm-up
+        before = worker_cpu_s(server.process.pid)
+        result = run_wrk(url, self.auth, traffic, concurrency, self.seconds)
+        cpu_us_per_item = (worker_cpu_s(server.process.pid) - before) / max(1, result.items) * 1e6
+        self.clients[point] = _client(result)
+        self.progress.update()
+        return result, cpu_us_per_item
+
+
+def _floor(points: _Points, one_item: Traffic, candidates: Traffic) -> dict:
+    """The no-op handler's points: TorchServe's own floor."""
+    figures: dict = {}
+    _register(points.server, "noop")
+    figures["floor_c1_p50_ms"] = points.serve("floor_c1", _unbatched("noop"), one_item, 1)[0].latency_ms["p50"]
+    floor, figures["floor_worker_cpu_us_per_item_c32"] = points.serve("floor_c32", "noop", one_item, 32)
+    figures["floor_c32_items_per_s"] = floor.items_per_s
+    figures["floor_c32_p99_ms"] = floor.latency_ms["p99"]
+    figures["floor_100cand_items_per_s"] = points.serve("floor_100cand", "noop", candidates, 32)[0].items_per_s
+    return figures
+
+
+def _served(
+    points: _Points, model: str, one_item: Traffic, candidates: Traffic, tensors: Traffic, figures: dict
+) -> tuple[HandlerCounters, HandlerCounters]:
+    """The model's points, into ``figures``; the handler's counters over the one-item c=32 point
+    and over the tensor point (the batches TorchServe formed)."""
+    server = points.server
+    _register(server, model)
+    figures["one_item_c1_p50_ms"] = points.serve("one_item_c1", _unbatched(model), one_item, 1)[0].latency_ms["p50"]
+    before = server.handler_counters(model)
+    one, figures["worker_cpu_us_per_item_c32"] = points.serve("one_item_c32", model, one_item, 32)
+    formed_one = server.handler_counters(model).minus(before)
+    # the forward as served (worker time in forwards): beside the other processes, caches are colder
+    figures["served_forward_us_per_item_c32"] = formed_one.forward_ms * 1000 / max(1, formed_one.forward_items)
+    figures["one_item_c32_items_per_s"] = one.items_per_s
+    figures["one_item_c32_p99_ms"] = one.latency_ms["p99"]
+    figures["json_100cand_items_per_s"] = points.serve("json_100cand", model, candidates, 32)[0].items_per_s
+    before = server.handler_counters(model)
+    figures["tensor_100cand_items_per_s"] = points.serve("tensor_100cand", model, tensors, 32)[0].items_per_s
+    formed = server.handler_counters(model).minus(before)
+    points.progress.set_postfix_str("gRPC")
+    grpc = _grpc(server, model, tensors, points.seconds)
+    figures["grpc_100cand_items_per_s"] = grpc.items_per_s
+    points.clients["grpc_100cand"] = _client(grpc)
+    points.progress.update()
+    for name in (model, _unbatched(model)):
+        server.management("DELETE", f"/models/{name}").raise_for_status()
+    return formed_one, formed
 
 
 def _client(result: LoadResult) -> dict:
@@ -200,11 +236,19 @@ def _build(scenario: SpeedScenario, name: str, store: Path) -> Path:
     return store / (name if unzipped else f"{name}.mar")
 
 
-def _register(server: LocalTorchServe, model: str, batch_size: int) -> None:
-    server.management("DELETE", f"/models/{model}")  # the earlier registration, if any
+def _register(server: LocalTorchServe, model: str) -> None:
+    """``model`` registered twice, both kept for the run: batching off (``_unbatched(model)``, for
+    the concurrency-1 point) and batch_size 32. Both serve one copy of the tables (it is the
+    archive's): registering the model again for each point would copy them anew and free the
+    last copy, whose freeing (6 GiB at the Criteo 1TB size) pauses the machine for seconds while
+    the next point runs."""
     url = model if (server.model_store / model).is_dir() else f"{model}.mar"
-    response = server.register(url, batch_size=batch_size, max_batch_delay=5)
-    response.raise_for_status()
+    for name, batch_size in ((_unbatched(model), 1), (model, 32)):
+        server.register(url, model_name=name, batch_size=batch_size, max_batch_delay=5).raise_for_status()
+
+
+def _unbatched(model: str) -> str:
+    return f"{model}-unbatched"
 
 
 def _targets(figures: dict) -> list[dict]:
