@@ -3,7 +3,8 @@
 For each batch size of the scenario the archive is registered afresh (register-to-ready time and
 the workers' peak RSS while loading are recorded), every workload is replayed closed loop at each
 concurrency and open loop at each rate, and each level's formed batches are read from our
-handler's counters; the same artifact is then timed in-process at those batch sizes.
+handler's counters; once the server has stopped (nothing else then runs beside it), the same
+artifact is timed in-process at those batch sizes.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None
 
     build = _build_archive(scenario, out_dir / "model_store")
     archive = Path(build["archive"])
-    ceiling = CeilingProcess(archive, traffic, ServingConfig.intra_op_threads)
     tables = table_memory_mib(spec)
 
     results: dict = {
@@ -57,8 +57,7 @@ def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None
     }
     levels = sum(len(w.concurrencies) + len(w.open_rates) for w in scenario.workloads)
     progress = tqdm(total=levels * len(scenario.batch_sizes), desc=scenario.name, unit="level")
-    ceilings: dict[tuple[str, int], float] = {}
-    with ceiling, LocalTorchServe(model_store=archive.parent) as server:
+    with LocalTorchServe(model_store=archive.parent) as server:
         for batch_size in scenario.batch_sizes:
             config = _register(server, archive, spec.name, batch_size, scenario.max_batch_delay_ms)
             for workload in scenario.workloads:
@@ -78,19 +77,15 @@ def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None
                         result = run_open_loop(url, headers, load, level, scenario.duration_s)
                     worker_cpu = worker_cpu_s(server.process.pid) - cpu_before
                     formed = server.handler_counters(spec.name).minus(before)
-                    k = max(1, round(formed.mean_requests_per_batch))
-                    if (workload.name, k) not in ceilings:
-                        ceilings[(workload.name, k)] = ceiling.items_per_s(workload.name, k, scenario.ceiling_s)
-                    config["runs"].append(
-                        _run_record(workload.name, result, formed, ceilings[(workload.name, k)], worker_cpu)
-                    )
+                    config["runs"].append(_run_record(workload.name, result, formed, worker_cpu))
                     progress.update()
             config["worker_after_runs"] = dataclasses.asdict(worker_memory(server.process.pid))
             if scenario.measure_two_workers and batch_size == scenario.batch_sizes[-1]:
-                ceiling.close()  # its mapping of the tables would take a share of their PSS
                 config["two_workers"] = _two_workers(server, spec.name, traffic[scenario.workloads[0].name])
             server.management("DELETE", f"/models/{spec.name}").raise_for_status()
             results["configs"].append(config)
+    progress.set_postfix_str("in-process ceilings")
+    _add_ceilings(results["configs"], CeilingProcess(archive, traffic, ServingConfig.intra_op_threads), scenario.ceiling_s)
     progress.close()
     results["targets"] = report.evaluate_targets(scenario, results)
     report.write(results, out_dir)
@@ -175,9 +170,20 @@ def _register(
     }
 
 
-def _run_record(
-    workload: str, result: LoadResult, formed: HandlerCounters, ceiling: float, worker_cpu_s: float
-) -> dict:
+def _add_ceilings(configs: list[dict], ceiling: CeilingProcess, seconds: float) -> None:
+    """Each run's in-process ceiling at the batch size the server formed for it, and the share of
+    it that was served; each workload and batch size timed once."""
+    ceilings: dict[tuple[str, int], float] = {}
+    with ceiling:
+        for run in (run for config in configs for run in config["runs"]):
+            key = (run["workload"], max(1, round(run["formed"]["mean_requests_per_batch"])))
+            if key not in ceilings:
+                ceilings[key] = ceiling.items_per_s(*key, seconds)
+            run["ceiling_items_per_s"] = ceilings[key]
+            run["efficiency"] = run["items_per_s"] / ceilings[key]
+
+
+def _run_record(workload: str, result: LoadResult, formed: HandlerCounters, worker_cpu_s: float) -> dict:
     return {
         "workload": workload,
         **result.to_dict(),
@@ -189,8 +195,6 @@ def _run_record(
             "mean_requests_per_batch": formed.mean_requests_per_batch,
             "mean_items_per_forward": formed.mean_items_per_forward,
         },
-        "ceiling_items_per_s": ceiling,
-        "efficiency": result.items_per_s / ceiling,
     }
 
 
