@@ -75,9 +75,7 @@ final class AdmissionQueue extends LinkedBlockingDeque<Job> {
         if (!Internals.isInference(job.getCmd())) {
             return super.offer(job);
         }
-        if (job.getPayload().getHeaders().keySet().stream().anyMatch(DescribeJob.DESCRIBE_HEADER::equalsIgnoreCase)) {
-            // the handler would answer it as a management describe call, for the whole batch
-            refuse(job, 400, "describe: a header of the management API's calls, refused on inference requests");
+        if (refusedDescribe(job)) {
             return true;
         }
         String unavailable = closedReason;
@@ -96,6 +94,26 @@ final class AdmissionQueue extends LinkedBlockingDeque<Job> {
             return true;
         }
         return super.offer(GrpcStatusJob.of(job));
+    }
+
+    /**
+     * A request that the queue this one replaced had accepted: checked as {@link #offer} checks
+     * it, but not shed (it was admitted already).
+     */
+    void takeAccepted(Job job) {
+        if (!refusedDescribe(job)) {
+            offerLast(GrpcStatusJob.of(job));
+        }
+    }
+
+    /** Refuses an inference request carrying the describe header; true if it did. */
+    private boolean refusedDescribe(Job job) {
+        if (job.getPayload().getHeaders().keySet().stream().noneMatch(DescribeJob.DESCRIBE_HEADER::equalsIgnoreCase)) {
+            return false;
+        }
+        // the handler would answer it as a management describe call, for the whole batch
+        refuse(job, 400, "describe: a header of the management API's calls, refused on inference requests");
+        return true;
     }
 
     /** Why a request arriving now would wait too long, or null. */

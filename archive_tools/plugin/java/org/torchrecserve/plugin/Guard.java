@@ -205,7 +205,7 @@ final class Guard {
     private static void moveInference(LinkedBlockingDeque<Job> from, AdmissionQueue to) {
         for (Job job : from) {
             if (Internals.isInference(job.getCmd()) && from.remove(job)) {
-                to.offerLast(job);
+                to.takeAccepted(job);
             }
         }
     }

@@ -85,10 +85,11 @@ final class StartPriority {
                 }
                 long pid = process.pid();
                 alive.add(pid);
-                boolean loaded = worker.getState() == WorkerState.WORKER_MODEL_LOADED;
-                if (!loaded && !lowered.containsKey(pid)) {
+                // only a worker on its way to loaded: one draining (scaled down) or failed serves or stops at its priority
+                boolean starting = worker.getState() == WorkerState.WORKER_STARTED;
+                if (starting && !lowered.containsKey(pid)) {
                     lower(worker, pid);
-                } else if (loaded && lowered.containsKey(pid)) {
+                } else if (!starting && lowered.containsKey(pid)) {
                     restore(worker, pid, lowered.remove(pid));
                 }
             }
