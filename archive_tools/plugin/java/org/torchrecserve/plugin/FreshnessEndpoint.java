@@ -94,6 +94,11 @@ public final class FreshnessEndpoint extends ModelServerEndpoint {
                 throw new ConflictStatusException(
                         Guard.label(model) + " " + Freshness.whyNoLog(model.getModelDir()));
             }
+            if (!new File(model.getModelDir(), ArchiveFiles.LOG_POINTER).isFile()) { // its workers would not answer
+                throw new ConflictStatusException(Guard.label(model) + " has no delta log named: it was not"
+                        + " registered through the plugin's /models (e.g. loaded at the server's start);"
+                        + " register it through POST /models to publish deltas");
+            }
             String rollbackTo = ModelsEndpoint.param(query, "rollback_to", null);
             if (publish && rollbackTo != null) {
                 rollback(model, rollbackTo, rsp);
