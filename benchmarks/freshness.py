@@ -110,7 +110,7 @@ FRESHNESS_SCENARIOS = {
         "freshness-smoke", MODELS / "tiny.yaml",
         ("--archive-format", "no-archive", "--artifact", "aoti"),
         workers=2, deltas=6, rows_per_delta=300, rolled_back=3, rounds=2, idle_s=3.0, max_load_step_s=1.0,
-        max_load_step=0.25, load_share=0.3,  # the test suite runs it beside other tests
+        max_load_step=0.25, load_share=0.15,  # the test suite runs it beside other tests
     ),
 }
 

@@ -59,7 +59,7 @@ def run(scenario: Scenario, out_dir: Path, traces: dict[str, Path] | None = None
     progress = tqdm(total=levels * len(scenario.batch_sizes), desc=scenario.name, unit="level")
     with LocalTorchServe(model_store=archive.parent) as server:
         for batch_size in scenario.batch_sizes:
-            config = _register(server, archive, spec.name, batch_size, scenario.max_batch_delay_ms)
+            config = _register(server, archive, spec.name, batch_size, scenario)
             for workload in scenario.workloads:
                 load = traffic[workload.name]
                 url = f"{server.inference_url}/predictions/{spec.name}"
@@ -147,13 +147,13 @@ def _build_archive(scenario: Scenario, model_store: Path) -> dict:
     }
 
 
-def _register(
-    server: LocalTorchServe, archive: Path, name: str, batch_size: int, delay_ms: int
-) -> dict:
+def _register(server: LocalTorchServe, archive: Path, name: str, batch_size: int, scenario: Scenario) -> dict:
+    delay_ms = scenario.max_batch_delay_ms
+    admission = {} if scenario.max_queue_wait_ms is None else {"max_queue_wait_ms": scenario.max_queue_wait_ms}
     with PeakSampler(server.process.pid) as sampler:
         started = time.perf_counter()
         response = server.register(
-            archive.name, batch_size=batch_size, max_batch_delay=delay_ms, initial_workers=1
+            archive.name, batch_size=batch_size, max_batch_delay=delay_ms, initial_workers=1, **admission
         )
         register_s = time.perf_counter() - started
     response.raise_for_status()
