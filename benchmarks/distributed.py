@@ -262,8 +262,7 @@ def _measure(server: LocalTorchServe, model: str, traffic: Traffic, duration_s: 
         "p99_ms": solo.latency_ms["p99"],
         "statuses": {k: loaded.statuses.get(k, 0) + solo.statuses.get(k, 0) for k in {*loaded.statuses, *solo.statuses}},
         "scores": np.asarray(scores, dtype=np.float64),
-        "clients": {point: {"client": r.client, "cpu_cores": round(r.client_cpu_cores, 3), "saturated": r.client_saturated}
-                    for point, r in (("c8", loaded), ("c1", solo))},
+        "clients": {"c8": loaded.client_summary(), "c1": solo.client_summary()},
     }
 
 

@@ -65,6 +65,10 @@ class LoadResult:
         """The client, not the server, may have set the pace: it used 90% of its cores or more."""
         return self.client_cpu_cores >= 0.9 * self.client_threads
 
+    def client_summary(self) -> dict:
+        """Which client ran the point, its CPU in cores and whether it was saturated."""
+        return {"client": self.client, "cpu_cores": round(self.client_cpu_cores, 3), "saturated": self.client_saturated}
+
     def to_dict(self) -> dict:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "events"}
         return {

@@ -245,8 +245,7 @@ def max_load(url: str, auth: dict, traffic: Traffic, seconds: float, step: float
         sustained = rate
     return {
         "closed_loop_rps": closed_rps,
-        "closed_loop_client": {"client": closed.client, "cpu_cores": closed.client_cpu_cores,
-                               "saturated": closed.client_saturated},
+        "closed_loop_client": closed.client_summary(),
         "light_load_p99_ms": light.latency_ms["p99"],
         "max_load_steps": steps,
         "max_load_rps": sustained,

@@ -49,6 +49,7 @@ import orjson  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from archive_tools.local_server import HandlerCounters, LocalTorchServe  # noqa: E402
+from archive_tools.model_config import ServingConfig  # noqa: E402
 from benchmarks.inprocess import CeilingProcess  # noqa: E402
 from benchmarks.load import LoadResult, run_closed_loop_grpc  # noqa: E402
 from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS  # noqa: E402
@@ -101,7 +102,7 @@ def run_speed(scenario: SpeedScenario, out_dir: Path) -> dict:
     progress.set_postfix_str("in-process ceiling")
     figures["formed_one_item_c32_requests_per_batch"] = formed_one.mean_requests_per_batch
     figures["formed_100cand_requests_per_batch"] = formed.mean_requests_per_batch
-    with CeilingProcess(archive, {"tensor": tensors, "one": one_item}, 2) as ceiling:  # at the batches the server formed
+    with CeilingProcess(archive, {"tensor": tensors, "one": one_item}, ServingConfig.intra_op_threads) as ceiling:  # at the batches the server formed
         figures["ceiling_100cand_items_per_s"] = ceiling.items_per_s("tensor", max(1, round(formed.mean_requests_per_batch)))
         figures["forward_us_per_item_b32"] = ceiling.forward_us_per_item("one", 32)
         # the handler's own work on the same batches in process: handle() less the forward
@@ -142,7 +143,7 @@ class _Points:
         before = worker_cpu_s(server.process.pid)
         result = run_wrk(url, self.auth, traffic, concurrency, self.seconds)
         cpu_us_per_item = (worker_cpu_s(server.process.pid) - before) / max(1, result.items) * 1e6
-        self.clients[point] = _client(result)
+        self.clients[point] = result.client_summary()
         self.progress.update()
         return result, cpu_us_per_item
 
@@ -181,16 +182,11 @@ def _served(
     points.progress.set_postfix_str("gRPC")
     grpc = _grpc(server, model, tensors, points.seconds)
     figures["grpc_100cand_items_per_s"] = grpc.items_per_s
-    points.clients["grpc_100cand"] = _client(grpc)
+    points.clients["grpc_100cand"] = grpc.client_summary()
     points.progress.update()
     for name in (model, _unbatched(model)):
         server.management("DELETE", f"/models/{name}").raise_for_status()
     return formed_one, formed
-
-
-def _client(result: LoadResult) -> dict:
-    return {"client": result.client, "cpu_cores": round(result.client_cpu_cores, 3),
-            "saturated": result.client_saturated}
 
 
 def _grpc(server: LocalTorchServe, model: str, tensors: Traffic, seconds: float) -> LoadResult:

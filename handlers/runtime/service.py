@@ -155,7 +155,7 @@ class ScoringService:
         with watch("forward"), torch.inference_mode():
             output = self.model(batch).cpu()
         # scores: logits [N]; an embedding shard: each item's pooled embeddings as one row [N, W]
-        output = output.reshape(-1) if self.schema.output == Output.SCORES else output.flatten(1)
+        output = output.reshape(-1) if self._scores else output.flatten(1)
         counts = [c for r in requests for c in r.counts]
         items = sum(counts)
         return (output if output.shape[0] == items else output[:items]), counts

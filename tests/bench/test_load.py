@@ -96,6 +96,7 @@ def test_wrk_sends_the_bodies_in_turn_with_their_headers_and_counts_what_was_ans
     assert result.items == 2 * result.requests
     assert set(result.latency_ms) == {"p50", "p90", "p99", "p99.9", "mean"} and 0 < result.latency_ms["p50"]
     assert 0 < result.client_cpu_cores < 1 and not result.client_saturated
+    assert result.client_summary() == {"client": "wrk", "cpu_cores": round(result.client_cpu_cores, 3), "saturated": False}
     sent = collections.Counter(body for body, _ in received)
     assert set(sent) == set(traffic.bodies) and max(sent.values()) - min(sent.values()) <= 1  # in turn
     for body, headers in received:

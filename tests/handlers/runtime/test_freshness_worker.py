@@ -60,3 +60,27 @@ def test_a_rollback_whose_undo_is_missing_undoes_nothing_and_says_which(tmp_path
         follower.catch_up(log, Pace())
     assert torch.equal(_table_a(buffers), applied)  # delta 2's rows too, though its undo is there
     assert AppliedState.read(tmp_path).sequence == 2 and (log / ROLLBACK_MARK).exists()
+
+
+class _Stop(BaseException):
+    """Ends the calls thread's loop in a test (the loop goes on after any ``Exception``)."""
+
+
+def test_the_calls_thread_logs_a_mailbox_error_and_answers_the_next_calls(monkeypatch, caplog):
+    """A mailbox that cannot be read once (a permission, a disk) must not end the thread that
+    answers the plugin: every later call would time out."""
+    looks = []
+
+    class Mailbox:
+        def answer_waiting(self, answer) -> int:
+            looks.append(answer)
+            if len(looks) == 1:
+                raise PermissionError("freshness-calls: permission denied")
+            raise _Stop
+
+    freshness = WorkerFreshness.__new__(WorkerFreshness)
+    freshness.mailbox = Mailbox()
+    monkeypatch.setattr("handlers.runtime.freshness.worker.CALLS_EVERY_S", 0.0)
+    with pytest.raises(_Stop):
+        freshness._answer_calls()
+    assert len(looks) == 2 and "permission denied" in caplog.text

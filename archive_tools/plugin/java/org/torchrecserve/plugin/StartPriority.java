@@ -109,11 +109,12 @@ final class StartPriority {
     }
 
     private void restore(WorkerThread worker, long pid, int nice) {
+        WorkerState state = worker.getState(); // loaded, as a rule; or failed, or stopping
         if (renice(nice, pid)) {
-            logger.info("worker {} (pid {}) loaded: back to nice {}", worker.getWorkerId(), pid, nice);
+            logger.info("worker {} (pid {}) {}: back to nice {}", worker.getWorkerId(), pid, state, nice);
         } else {
-            logger.warn("worker {} (pid {}) loaded, but its priority could not be raised back to nice {}",
-                    worker.getWorkerId(), pid, nice);
+            logger.warn("worker {} (pid {}) {}, but its priority could not be raised back to nice {}",
+                    worker.getWorkerId(), pid, state, nice);
         }
     }
 
