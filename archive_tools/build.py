@@ -82,7 +82,7 @@ def build_archive(
 
         with tempfile.TemporaryDirectory(prefix=f"{name}-archive-") as tmp:
             staging = Path(tmp) / "extra"
-            stage_files(staging, spec, factory, weights)
+            stage_files(staging, spec, factory, weights, carry_code=_runs_modules(artifact, split))
             del weights  # a file-backed copy exists now; the reference model keeps what it needs
             weights_bytes = (staging / WEIGHTS).stat().st_size
             reference = reference_service(spec, factory, float_model, staging)
@@ -115,7 +115,7 @@ def _check_before_building(spec: ModelSpec, archive: Path, archive_format: str, 
     if archive_format == "no-archive":
         check_replaceable(archive)
     if artifact != Artifact.EAGER:
-        check_capturable(spec)
+        check_capturable(spec, split=artifact == Artifact.SPLIT)
 
 
 def _checked_split(artifact: Artifact, split: SplitPlan | None, quantized_from_checkpoint: bool) -> SplitPlan | None:
@@ -143,6 +143,11 @@ def _report_written(archive: Path, artifact: Artifact, weights_bytes: int, start
 def _print(lines: list[str]) -> None:
     for line in lines:
         tqdm.write(line, file=sys.stderr)
+
+
+def _runs_modules(artifact: Artifact, split: SplitPlan | None) -> bool:
+    """Whether the archive's workers run TorchRec modules (and so import the architecture)."""
+    return artifact == Artifact.EAGER or (split is not None and split.sparse == Artifact.EAGER)
 
 
 def _verifiable(split: SplitPlan | None) -> SplitPlan | None:

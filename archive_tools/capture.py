@@ -27,8 +27,14 @@ from handlers.runtime.split import EMBEDDINGS_INPUT, SplitPlan, dense_tags, spar
 from handlers.runtime.wire.decoder import RequestDecoder
 
 
-def check_capturable(spec: ModelSpec) -> None:
-    """Refuses, before any work, what torch.export cannot capture on this stack."""
+def check_capturable(spec: ModelSpec, split: bool = False) -> None:
+    """Refuses, before any work, what torch.export cannot capture on this stack; ``split``: the
+    build captures the model's two parts (a split artifact, a distributed layout)."""
+    if split and not architecture_of(spec).splits:
+        raise InputError(
+            f"architecture {spec.architecture}: does not split into lookups and a dense part (it "
+            "defines no split method); build --artifact eager, exported or aoti"
+        )
     row_wise = [t.name for t in spec.tables if t.sharding == ShardingType.ROW_WISE]
     if spec.is_sharded and row_wise:
         raise InputError(

@@ -140,7 +140,7 @@ def _check_before_building(
             f"{spec_path}: tables[].shard: no table names its shard; give each table one to build "
             "a distributed layout"
         )
-    check_capturable(spec)
+    check_capturable(spec, split=True)
     if archive_format == "no-archive":
         for archive_name in names:
             check_replaceable(model_store / archive_name)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 import handlers
 from archive_tools.validation_data import ValidationData, read_validation
 from archive_tools.verification import Bounds, VerificationReport, generated_validation, verify
+from handlers.modeling.archive_code import ArchitectureRecord
 from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.eager import eager_service
 from handlers.modeling.factory import DLRMFactory
@@ -73,12 +74,21 @@ def served_weights(
 
 
 def stage_files(
-    staging: Path, spec: ModelSpec, factory: DLRMFactory, weights: InferenceWeights, inputs: InputSchema | None = None
+    staging: Path,
+    spec: ModelSpec,
+    factory: DLRMFactory,
+    weights: InferenceWeights,
+    inputs: InputSchema | None = None,
+    carry_code: bool = True,
 ) -> None:
-    """The archive's extra files: the handlers package, the spec, its inputs (``inputs``, or the
-    spec's model's), the weights and where each table's rows lie in them."""
+    """The archive's extra files: the handlers package, the spec, its architecture's record (and,
+    with ``carry_code``, a user's architecture package: its workers run TorchRec modules), its
+    inputs (``inputs``, or the spec's model's), the weights and where each table's rows lie in them."""
     shutil.copytree(HANDLERS_DIR, staging / HANDLERS, ignore=shutil.ignore_patterns("__pycache__"))
     spec.to_yaml(staging / SPEC)
+    said = ArchitectureRecord.of(spec).stage(staging, carry_code)
+    if said:
+        tqdm.write(said, file=sys.stderr)
     (inputs or input_schema(spec)).save(staging / INPUTS)
     factory.save_weights(weights, staging / WEIGHTS)
     factory.tables_layout(staging / WEIGHTS).save(staging)  # where deltas write, and the base

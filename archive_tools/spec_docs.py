@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from handlers.modeling.registry import architectures, spec_json_schema
+from handlers.modeling.registry import shipped_architectures, spec_json_schema
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "config" / "models"
 
@@ -32,11 +32,13 @@ def spec_reference() -> str:
         "# Model spec reference",
         "",
         "Generated from the spec models by `torchrec-serve spec-docs`; do not edit by hand.",
-        "A spec is YAML; `architecture` (default `dlrm`) picks which keys it takes.",
-        f"Architectures: {', '.join(f'`{name}`' for name in architectures())}.",
+        "A spec is YAML; `architecture` (default `dlrm`) picks which keys it takes: a registered",
+        "name or a user's architecture by import path (`package.module:Attribute`), whose spec type",
+        "adds its own keys to those below.",
+        f"Shipped architectures: {', '.join(f'`{name}`' for name in shipped_architectures())}.",
         "",
     ]
-    spec_types = [a.spec_type.__name__ for a in architectures().values()]
+    spec_types = [a.spec_type.__name__ for a in shipped_architectures().values()]
     sections = [name for name in definitions if name not in spec_types]
     for name in spec_types + sections:
         definition = definitions[name]

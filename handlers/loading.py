@@ -100,8 +100,10 @@ def dense_host_model(model_dir: Path, schema: InputSchema, plan: RemotePlan, sha
 
 def _eager_model(model_dir: Path, gpu_id: int | None, weights: Path | None) -> Runner:
     from handlers.modeling import eager  # TorchRec, only for artifacts that run its modules
+    from handlers.modeling.archive_code import use_archive_code
     from handlers.modeling.registry import load_spec
 
+    use_archive_code(model_dir)
     spec = load_spec(model_dir / SPEC)
     device = worker_device(spec.sharding.device, gpu_id)
     return eager.load_eager_model(spec, weights or model_dir / WEIGHTS, device)
@@ -109,7 +111,9 @@ def _eager_model(model_dir: Path, gpu_id: int | None, weights: Path | None) -> R
 
 def _eager_lookups(model_dir: Path, weights: Path | None) -> Runner:
     from handlers.modeling import eager  # TorchRec, only for artifacts that run its modules
+    from handlers.modeling.archive_code import use_archive_code
     from handlers.modeling.registry import load_spec
 
+    use_archive_code(model_dir)
     spec = load_spec(model_dir / SPEC)
     return eager.load_eager_lookups(spec, weights or model_dir / WEIGHTS)

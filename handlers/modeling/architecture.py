@@ -1,12 +1,33 @@
-"""What an architecture is: one module per model family declares its spec section, its inputs
-with their batch tags, its float and inference models and how they split, and its synthetic data.
-Everything else asks the registry (``handlers.modeling.registry``).
+"""The architecture contract: what a model family gives the project so that it can be built,
+captured, verified and served. It is public and versioned (``CONTRACT_VERSION``; every archive
+records the version it was built with); the shipped architectures implement it like anyone else.
 
-To add an architecture, write ``handlers/modeling/architectures/<name>.py`` defining a
-``ModelSpec`` subclass and an ``Architecture`` subclass, with ``ARCHITECTURE = YourArchitecture()``;
-the registry finds it, the spec parser, the archive tool, the handler and the benchmarks then
-serve it. Its embedding tables must sit at ``EBC_PATH`` (the factory quantizes and shards them
-there).
+A spec names its architecture by a registered name (the ``torchrec_serve.architectures`` entry
+point group: ``architecture: dlrm``) or by import path (``architecture: my_models.din:DIN``, a
+module attribute that is an ``Architecture`` instance or subclass). A minimal one::
+
+    class TwoTowerSpec(ModelSpec):
+        tower: LayerSizes
+
+    class TwoTower(Architecture):
+        name = "two_tower"
+        spec_type = TwoTowerSpec
+
+        def input_tags(self, spec):              # forward's parameters, in order, and how they batch
+            return per_item_tags(spec)           # dense_features [N, D], sparse_features (KJT)
+
+        def build(self, spec, tables, device):   # the float model; tables come from ``tables``
+            return TwoTowerModel(tables.bags(), spec.dense_features, spec.tower, device)
+
+    ARCHITECTURE = TwoTower()
+
+``build`` makes the whole model; its embedding modules (any number of TorchRec
+``EmbeddingBagCollection`` / ``EmbeddingCollection``, at any path) come from ``tables``
+(``handlers.modeling.embedding_modules.EmbeddingTables``), which puts them on the device the
+factory asks for; the factory finds them, quantizes each table to the spec's dtype and shares
+them between workers. ``forward`` takes the inputs ``input_tags`` declares, by those names, in that
+order (checked at build), and returns logits [N, 1]. ``split`` is optional: without it, the
+``split`` artifact and the distributed layout are refused for the architecture.
 """
 
 from __future__ import annotations
@@ -18,36 +39,44 @@ import numpy as np
 import torch
 from torch import nn
 
+from handlers.modeling.embedding_modules import EmbeddingTables
 from handlers.modeling.spec import ModelSpec
 from handlers.runtime.inputs import BatchKind, Feature, InputSchema, InputTag
+
+# The contract's version: raised when a change would break architectures written for the last one.
+CONTRACT_VERSION = 1
 
 DENSE_INPUT = "dense_features"
 SPARSE_INPUT = "sparse_features"
 CONTEXT_INPUT = "context_features"
 ITEM_COUNTS_INPUT = "item_counts"
 
-# Where the embedding tables live in every architecture (the factory swaps and shards them there).
-EBC_PATH = "sparse_arch.embedding_bag_collection"
-
 
 class Architecture(abc.ABC):
-    """One model family. ``name`` is the spec's ``architecture`` value; ``spec_type`` parses it."""
+    """One model family. ``name`` names it in messages; ``spec_type`` parses its specs;
+    ``contract_version``: the contract it was written for."""
 
     name: ClassVar[str]
     spec_type: ClassVar[type[ModelSpec]]
+    contract_version: ClassVar[int] = CONTRACT_VERSION
 
     @abc.abstractmethod
     def input_tags(self, spec: Any) -> tuple[InputTag, ...]:
         """The model's forward inputs, in forward order, and how each batches."""
 
     @abc.abstractmethod
-    def build(self, spec: Any, ebc: nn.Module, device: torch.device) -> nn.Module:
-        """The model around ``ebc`` (float, on meta, or quantized), dense layers on ``device``."""
+    def build(self, spec: Any, tables: EmbeddingTables, device: torch.device) -> nn.Module:
+        """The float model: embedding modules from ``tables``, everything else on ``device``."""
 
-    @abc.abstractmethod
     def split(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
         """``model`` as (sparse part, dense part), sharing its modules: ``model(*inputs) ==
-        dense(*others, sparse(ids))`` with the inputs in ``handlers.runtime.split``'s tag order."""
+        dense(*others, sparse(ids))`` with the inputs in ``handlers.runtime.split``'s tag order.
+        Optional; the default refuses."""
+        raise NotImplementedError(f"architecture {self.name} does not split into lookups and a dense part")
+
+    @property
+    def splits(self) -> bool:
+        return type(self).split is not Architecture.split
 
     def context_features(self, spec: Any) -> int:
         """Width of the per-request context row (0: the model has no context input)."""

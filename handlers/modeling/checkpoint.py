@@ -42,11 +42,11 @@ def load_checkpoint(
     model: nn.Module,
     state_dict: dict[str, torch.Tensor],
     mapping: CheckpointMapping,
-    skip: str | None = None,
+    skip: tuple[str, ...] | None = None,
 ) -> str | None:
     """Loads a trained state dict strictly, after the spec's name mapping (or a training
     wrapper's prefix, detected where the spec maps nothing). Returns what was stripped, if a
-    wrapper was detected. ``skip``: a prefix of the model's names (its tables) neither loaded nor
+    wrapper was detected. ``skip``: prefixes of the model's names (its tables) neither loaded nor
     expected, so that a checkpoint of the other weights alone loads too.
 
     Raises ``CheckpointError`` listing every missing, unexpected and mis-shaped key at once.
@@ -83,7 +83,7 @@ def load_checkpoint(
     return f"stripped the prefix {detected!r} of {WRAPPER_PREFIXES[detected]}'s wrapper"
 
 
-def _wrapper_prefix(state_dict: dict[str, torch.Tensor], expected: set[str], skip: str | None) -> str | None:
+def _wrapper_prefix(state_dict: dict[str, torch.Tensor], expected: set[str], skip: tuple[str, ...] | None) -> str | None:
     def kept(names: set[str]) -> set[str]:
         return {n for n in names if skip is None or not n.startswith(skip)}
 

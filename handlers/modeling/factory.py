@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from handlers.modeling import checkpoint, tbe
-from handlers.modeling.architecture import EBC_PATH
 from handlers.modeling.dense_precision import apply_dense_precision
+from handlers.modeling.embedding_modules import EmbeddingTables, quantize_in_place, table_prefixes
 from handlers.modeling.errors import CheckpointError
-from handlers.modeling.registry import architecture_of
+from handlers.modeling.registry import architecture_of, check_forward
 from handlers.modeling.sharding import shard
-from handlers.modeling.spec import ModelSpec, Pooling, WeightDtype
+from handlers.modeling.spec import ModelSpec, WeightDtype
 from handlers.modeling.weights import (
     InferenceWeights,
     TableRows,
@@ -41,26 +41,14 @@ from handlers.modeling.weights import (
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout, fingerprint
 
 from fbgemm_gpu.split_table_batched_embeddings_ops_inference import rounded_row_size_in_bytes  # isort: skip
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig  # isort: skip
 from torchrec.inference.modules import quantize_inference_model  # isort: skip
-from torchrec.modules.embedding_configs import DataType, PoolingType  # isort: skip
-from torchrec.quant.embedding_modules import (  # isort: skip
-    EmbeddingBagCollection as QuantEmbeddingBagCollection,
-)
 
-_TORCHREC_DTYPE = {
-    WeightDtype.FP32: DataType.FP32,
-    WeightDtype.FP16: DataType.FP16,
-    WeightDtype.INT8: DataType.INT8,
-    WeightDtype.INT4: DataType.INT4,
-}
 _QUANT_DTYPE = {
     WeightDtype.FP32: torch.float32,
     WeightDtype.FP16: torch.float16,
     WeightDtype.INT8: torch.qint8,
     WeightDtype.INT4: torch.quint4x2,
 }
-_POOLING = {Pooling.SUM: PoolingType.SUM, Pooling.MEAN: PoolingType.MEAN}
 
 
 class DLRMFactory:
@@ -78,24 +66,11 @@ class DLRMFactory:
 
     # -- float (training-shaped) model ------------------------------------------------------
 
-    def table_configs(self, *, with_dtypes: bool = False) -> list[EmbeddingBagConfig]:
-        return [
-            EmbeddingBagConfig(
-                name=t.name,
-                num_embeddings=t.rows,
-                embedding_dim=t.dim,
-                feature_names=list(t.features),
-                pooling=_POOLING[t.pooling],
-                data_type=_TORCHREC_DTYPE[t.weight_dtype] if with_dtypes else DataType.FP32,
-            )
-            for t in self.spec.tables
-        ]
-
     def float_model(self, seed: int | None = None, device: str = "cpu") -> nn.Module:
         """The float model as trained; random weights from ``seed`` until a checkpoint is loaded."""
         if seed is not None:
             torch.manual_seed(seed)
-        return self._build(self._float_ebc(device), torch.device(device)).eval()
+        return self._build(torch.device(device), torch.device(device)).eval()
 
     def load_checkpoint(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> str | None:
         """Loads a trained state dict strictly, after the spec's ``checkpoint_mapping`` (or a
@@ -106,8 +81,8 @@ class DLRMFactory:
         """The float dense weights of a trained checkpoint, whole or without its tables (what a
         dense delta is made from): no table is allocated."""
         torch.manual_seed(0)  # the dense layers' init, all overwritten
-        model = self._build(self._float_ebc("meta"), torch.device("cpu"))
-        checkpoint.load_checkpoint(model, state_dict, self.spec.checkpoint_mapping, skip=EBC_PATH + ".")
+        model = self._build(torch.device("meta"), torch.device("cpu"))
+        checkpoint.load_checkpoint(model, state_dict, self.spec.checkpoint_mapping, skip=table_prefixes(model))
         return _dense_state(model)
 
     # -- served weights ------------------------------------------------------------------------
@@ -144,7 +119,7 @@ class DLRMFactory:
     def random_dense(self, seed: int) -> dict[str, torch.Tensor]:
         """The dense layers' own init from ``seed``, as float weights; no table is allocated."""
         torch.manual_seed(seed)
-        return _dense_state(self._build(self._float_ebc("meta"), torch.device("cpu")))
+        return _dense_state(self._build(torch.device("meta"), torch.device("cpu")))
 
     def table_bytes(self) -> dict[str, int]:
         """Bytes each table takes in the served layout (rows x packed row size); allocates nothing."""
@@ -220,7 +195,8 @@ class DLRMFactory:
 
     def _with_dense(self, model: nn.Module, dense: dict[str, torch.Tensor]) -> nn.Module:
         missing, unexpected = model.load_state_dict(dense, strict=False)
-        dense_missing = [k for k in missing if not k.startswith(EBC_PATH + ".")]
+        tables = table_prefixes(model)
+        dense_missing = [k for k in missing if not k.startswith(tables)]
         if dense_missing or unexpected:
             raise CheckpointError(
                 f"inference weights do not match the spec: missing {dense_missing}, "
@@ -228,8 +204,11 @@ class DLRMFactory:
             )
         return apply_dense_precision(model, self.spec).eval()
 
-    def _build(self, ebc: nn.Module, device: torch.device) -> nn.Module:
-        return self.architecture.build(self.spec, ebc, device)
+    def _build(self, table_device: torch.device, device: torch.device) -> nn.Module:
+        """The architecture's model: its embedding modules on ``table_device``, the rest on ``device``."""
+        model = self.architecture.build(self.spec, EmbeddingTables(self.spec, table_device), device)
+        check_forward(self.architecture, self.spec, model)
+        return model
 
     def _with_tables(self, weights: InferenceWeights, device: torch.device) -> nn.Module:
         """The model with its served tables filled in (zero-copy where possible), dense layers not
@@ -250,18 +229,9 @@ class DLRMFactory:
 
     def _quant_model(self, device: torch.device) -> nn.Module:
         """The model with quantized tables whose weight buffers are not allocated yet."""
-        # The float EBC only gives the model its shapes; on ``meta`` it allocates nothing.
-        model = self._build(self._float_ebc("meta"), device)
-        with tbe.deferred_tbe_weights():
-            qebc = QuantEmbeddingBagCollection(
-                tables=self.table_configs(with_dtypes=True),
-                is_weighted=self.spec.weighted_ids,
-                device=device,
-                output_dtype=torch.float,
-                register_tbes=True,
-                row_alignment=tbe.ROW_ALIGNMENT,
-            )
-        model.get_submodule(EBC_PATH.rsplit(".", 1)[0]).embedding_bag_collection = qebc
+        # The float collections only give the model its shapes; on ``meta`` they allocate nothing.
+        model = self._build(torch.device("meta"), device)
+        quantize_in_place(model, self.spec, device)
         return model
 
     def _attach_all(self, model: nn.Module, buffers: list[torch.Tensor]) -> None:
@@ -293,13 +263,6 @@ class DLRMFactory:
         ]
         copy_table_rows(shards, tables, {t.name: t.rows for t in self.spec.tables})
 
-    def _float_ebc(self, device: str) -> EmbeddingBagCollection:
-        return EmbeddingBagCollection(
-            tables=self.table_configs(),
-            is_weighted=self.spec.weighted_ids,
-            device=torch.device(device),
-        )
-
 
 def _table_views(model: nn.Module) -> dict[str, TableRows]:
     return {
@@ -312,8 +275,5 @@ def _table_views(model: nn.Module) -> dict[str, TableRows]:
 
 
 def _dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        k: v.detach().clone()
-        for k, v in model.state_dict().items()
-        if not k.startswith(EBC_PATH + ".")
-    }
+    tables = table_prefixes(model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith(tables)}

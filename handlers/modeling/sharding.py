@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from handlers.modeling.architecture import EBC_PATH
+from handlers.modeling.embedding_modules import find_collections
 from handlers.modeling.spec import ModelSpec, Pooling, ShardingType, TableSpec
 from handlers.runtime.quiet import quieter
 
@@ -30,6 +30,7 @@ def shard(model: nn.Module, spec: ModelSpec) -> nn.Module:
         for t in spec.tables
     }
     device = spec.sharding.device
+    collections = {c.path: c.tables for c in find_collections(model)}
     # TorchRec's own shard_quant_model builds its planner's topology directly, and its planner
     # then warns that a topology should come from its factory; the FBGEMM modules it builds log
     # their feature gates on the root logger.
@@ -41,22 +42,25 @@ def shard(model: nn.Module, spec: ModelSpec) -> nn.Module:
             sharding_device=device,
             constraints=constraints,
         )
-        _build_lazy_parts(sharded, spec)
+        _build_lazy_parts(sharded, spec, collections)
     return sharded
 
 
-def _build_lazy_parts(sharded: nn.Module, spec: ModelSpec) -> None:
+def _build_lazy_parts(sharded: nn.Module, spec: ModelSpec, collections: dict[str, tuple[str, ...]]) -> None:
     """A sharded EBC builds its input distribution on its first call, reading TorchRec's device
-    setting then: one call on an empty batch, while the setting holds, builds it on our device."""
-    names = spec.feature_names
-    empty = KeyedJaggedTensor.from_lengths_sync(
-        keys=list(names),
-        values=torch.empty(0, dtype=torch.int64),
-        lengths=torch.zeros(len(names), dtype=torch.int64),
-        weights=torch.empty(0) if spec.weighted_ids else None,
-    )
-    with torch.inference_mode():
-        sharded.get_submodule(EBC_PATH)(empty)
+    setting then: one call on an empty batch, while the setting holds, builds it on our device.
+    ``collections``: each EBC's path and its tables."""
+    by_name = {t.name: t for t in spec.tables}
+    for path, tables in collections.items():
+        names = [f for name in tables for f in by_name[name].features]
+        empty = KeyedJaggedTensor.from_lengths_sync(
+            keys=names,
+            values=torch.empty(0, dtype=torch.int64),
+            lengths=torch.zeros(len(names), dtype=torch.int64),
+            weights=torch.empty(0) if spec.weighted_ids else None,
+        )
+        with torch.inference_mode():
+            sharded.get_submodule(path)(empty)
 
 
 def allowed_sharding(table: TableSpec) -> list[ShardingType]:

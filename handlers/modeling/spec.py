@@ -27,6 +27,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from torch import nn
 
 from handlers.runtime.inputs import Limits, OutOfRangePolicy
 
@@ -47,8 +48,13 @@ class DensePrecision(str, enum.Enum):
 
 
 class Pooling(str, enum.Enum):
+    """How a feature's ids reach the model: pooled into one row per bag (an
+    ``EmbeddingBagCollection``), or unpooled, one row per id (``none``: a sequence, in an
+    ``EmbeddingCollection``)."""
+
     SUM = "sum"
     MEAN = "mean"
+    NONE = "none"
 
 
 class WeightDtype(str, enum.Enum):
@@ -73,6 +79,10 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
 
+# TorchRec keeps a collection's tables in an nn.ModuleDict: a table may not take one of its names.
+_MODULE_DICT_ATTRIBUTES = frozenset(n for n in dir(nn.ModuleDict) if not n.startswith("_"))
+
+
 class TableSpec(_Section):
     """One embedding table: its rows, width, the features that look it up, and how it is served."""
 
@@ -82,7 +92,14 @@ class TableSpec(_Section):
     features: Annotated[tuple[Name, ...], Field(min_length=1)] = Field(
         description="sparse features looked up in this table"
     )
-    pooling: Pooling = Field(Pooling.SUM, description="how a bag of ids becomes one row")
+    pooling: Pooling = Field(
+        Pooling.SUM, description="how a bag of ids becomes one row; none: a sequence, one row per id"
+    )
+    max_sequence_length: PositiveInt | None = Field(
+        None,
+        description="pooling none only: the most ids one sequence of its features holds (more is a "
+        "400 naming the feature); default limits.max_ids_per_bag",
+    )
     weight_dtype: WeightDtype = Field(
         WeightDtype.INT8, description="served dtype (FBGEMM row-wise quantization for int8/int4)"
     )
@@ -95,6 +112,10 @@ class TableSpec(_Section):
 
     @model_validator(mode="after")
     def _servable(self) -> "TableSpec":
+        if self.name in _MODULE_DICT_ATTRIBUTES:
+            raise ValueError(f"name: {self.name!r} is taken by TorchRec's module dict of tables; rename it")
+        if self.max_sequence_length is not None and self.pooling != Pooling.NONE:
+            raise ValueError("max_sequence_length: only for sequence tables (pooling: none)")
         if self.weight_dtype == WeightDtype.INT4 and self.dim % 2:
             raise ValueError(f"dim: int4 tables need an even dim, got {self.dim}")
         if self.sharding == ShardingType.COLUMN_WISE:
@@ -205,6 +226,11 @@ class ModelSpec(_Section):
                 raise ValueError(
                     f"tables[{i}].pooling: weighted_ids needs sum pooling (per-id weights scale a "
                     f"sum), got {t.pooling.value}"
+                )
+            if t.pooling == Pooling.NONE and (self.is_sharded or t.shard is not None):
+                raise ValueError(
+                    f"tables[{i}].pooling: sequence tables (pooling none) are served whole on one host; "
+                    "remove the table's sharding and shard settings"
                 )
             if t.sharding == ShardingType.ROW_WISE and t.pooling == Pooling.MEAN:
                 # Measured: each row shard averages only its own ids, so the sum of shard means is wrong.

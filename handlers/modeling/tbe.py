@@ -34,6 +34,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (  # isort: 
 )
 from torchrec.quant.embedding_modules import (  # isort: skip
     EmbeddingBagCollection as QuantEmbeddingBagCollection,
+    EmbeddingCollection as QuantEmbeddingCollection,
 )
 from torchrec.tensor_types import UInt4Tensor  # isort: skip
 
@@ -89,16 +90,23 @@ def allocate(tbe: TBE) -> None:
     tbe.initialize_weights()
 
 
+def _per_table_modules(model: nn.Module) -> Iterator[tuple[nn.Module, nn.ModuleDict]]:
+    """Each quantized collection (EBC or EC) and the per-table modules that hold its ``weight`` views."""
+    for module in model.modules():
+        if isinstance(module, QuantEmbeddingBagCollection):
+            yield module, module.embedding_bags
+        elif isinstance(module, QuantEmbeddingCollection):
+            yield module, module.embeddings
+
+
 def refresh_table_views(model: nn.Module) -> None:
-    """Points each quantized EBC's per-table ``weight`` buffers (what ``state_dict`` shows) at its
-    TBEs' current weights; TorchRec registers them as views once, at construction."""
-    for qebc in model.modules():
-        if not isinstance(qebc, QuantEmbeddingBagCollection):
-            continue
-        for tbe in qebc.tbes:
+    """Points each quantized collection's per-table ``weight`` buffers (what ``state_dict`` shows)
+    at its TBEs' current weights; TorchRec registers them as views once, at construction."""
+    for collection, per_table in _per_table_modules(model):
+        for tbe in collection.tbes:
             views = tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)
             for (name, *_), (rows, *_) in zip(tbe.embedding_specs, views):
-                table = qebc.embedding_bags[name]
+                table = per_table[name]
                 table.weight = UInt4Tensor(rows) if isinstance(table.weight, UInt4Tensor) else rows
 
 
@@ -123,10 +131,9 @@ def name_table_buffers(model: nn.Module) -> None:
 
 
 def drop_table_views(model: nn.Module) -> None:
-    """Removes the quantized EBC's per-table ``weight`` views (kept for ``state_dict``): exported
-    as they are, the tables would be stored twice. The TBEs hold the real ones."""
-    for qebc in model.modules():
-        if isinstance(qebc, QuantEmbeddingBagCollection):
-            for table in qebc.embedding_bags.values():
-                if "weight" in dict(table.named_buffers(recurse=False)):
-                    delattr(table, "weight")
+    """Removes the quantized collections' per-table ``weight`` views (kept for ``state_dict``):
+    exported as they are, the tables would be stored twice. The TBEs hold the real ones."""
+    for _, per_table in _per_table_modules(model):
+        for table in per_table.values():
+            if "weight" in dict(table.named_buffers(recurse=False)):
+                delattr(table, "weight")

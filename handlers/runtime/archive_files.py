@@ -4,6 +4,8 @@ benchmarks and (checked by a test) the Java plugin take them from.
     MAR-INF/MANIFEST.json    torch-model-archiver's manifest (name, version, handler)
     model-config.yaml        TorchServe's settings and ours: handler, guard, freshness sections
     spec.yaml                the model spec (parsed by ``handlers.modeling``, never by the runtime)
+    architecture.json        the architecture, the contract version it was built against, and
+                             the user's package an eager archive carries (``code/``)
     inputs.json              the input schema (``handlers.runtime.inputs.InputSchema``)
     tables.json              where each table's rows lie (``freshness.layout``): only in an
                              archive that holds tables (not the dense archive of a layout)
@@ -24,6 +26,8 @@ from pathlib import Path
 MANIFEST = "MAR-INF/MANIFEST.json"
 MODEL_CONFIG = "model-config.yaml"
 SPEC = "spec.yaml"
+ARCHITECTURE = "architecture.json"
+CODE = "code"
 INPUTS = "inputs.json"
 TABLES = "tables.json"
 VERIFICATION = "verification.json"

@@ -23,6 +23,7 @@ from handlers.modeling.architecture import (
     Architecture,
     per_item_tags,
 )
+from handlers.modeling.embedding_modules import EmbeddingTables
 from handlers.modeling.spec import LayerSizes, ModelSpec, PositiveInt
 from handlers.runtime.inputs import BatchKind, InputTag
 
@@ -140,9 +141,9 @@ class ContextRankerArchitecture(Architecture):
     def context_features(self, spec: ContextRankerSpec) -> int:
         return spec.context_features
 
-    def build(self, spec: ContextRankerSpec, ebc: nn.Module, device: torch.device) -> nn.Module:
+    def build(self, spec: ContextRankerSpec, tables: EmbeddingTables, device: torch.device) -> nn.Module:
         return ContextRanker(
-            ebc,
+            tables.bags(),
             embedding_width=sum(t.dim * len(t.features) for t in spec.tables),
             dense_in=spec.dense_features,
             bottom_mlp=spec.bottom_mlp,

@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from handlers.modeling.architecture import Architecture, per_item_tags
+from handlers.modeling.embedding_modules import EmbeddingTables
 from handlers.modeling.spec import LayerSizes, ModelSpec
 from handlers.runtime.inputs import InputTag
 
@@ -64,9 +65,9 @@ class DLRMArchitecture(Architecture):
     def input_tags(self, spec: DLRMSpec) -> tuple[InputTag, ...]:
         return per_item_tags(spec)
 
-    def build(self, spec: DLRMSpec, ebc: nn.Module, device: torch.device) -> nn.Module:
+    def build(self, spec: DLRMSpec, tables: EmbeddingTables, device: torch.device) -> nn.Module:
         return DLRM(
-            embedding_bag_collection=ebc,
+            embedding_bag_collection=tables.bags(),
             dense_in_features=spec.dense_features,
             dense_arch_layer_sizes=list(spec.bottom_mlp),
             over_arch_layer_sizes=list(spec.top_mlp),

@@ -17,6 +17,7 @@ from pydantic import Field
 from torch import nn
 
 from handlers.modeling.architectures.dlrm import DLRMArchitecture, DLRMSpec
+from handlers.modeling.embedding_modules import EmbeddingTables
 from handlers.modeling.spec import PositiveInt
 
 from torchrec.models.dlrm import DLRM_DCN  # isort: skip
@@ -36,9 +37,9 @@ class DLRMDCNArchitecture(DLRMArchitecture):
     name = "dlrm_dcn"
     spec_type = DLRMDCNSpec
 
-    def build(self, spec: DLRMDCNSpec, ebc: nn.Module, device: torch.device) -> nn.Module:  # type: ignore[override]
+    def build(self, spec: DLRMDCNSpec, tables: EmbeddingTables, device: torch.device) -> nn.Module:  # type: ignore[override]
         model = DLRM_DCN(
-            embedding_bag_collection=ebc,
+            embedding_bag_collection=tables.bags(),
             dense_in_features=spec.dense_features,
             dense_arch_layer_sizes=list(spec.bottom_mlp),
             over_arch_layer_sizes=list(spec.top_mlp),

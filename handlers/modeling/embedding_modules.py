@@ -1,0 +1,231 @@
+"""The model's embedding modules, wherever the architecture put them: made from the spec's tables,
+found by walking the model, checked against the spec, and swapped for TorchRec's quantized ones.
+
+An architecture makes its collections with ``EmbeddingTables`` (or TorchRec's constructors on
+``tables.device``), at any path and as many as it likes:
+
+    def build(self, spec, tables, device):
+        return MyModel(
+            user_bags=tables.bags("t_user", "t_geo"),   # EmbeddingBagCollection: pooled (sum/mean)
+            items=tables.sequences("t_item"),           # EmbeddingCollection: unpooled (pooling: none)
+            device=device,
+        )
+
+The factory then finds every ``EmbeddingBagCollection`` and ``EmbeddingCollection``
+(``find_collections``), checks that together they hold each spec table once with its shape, and
+replaces each by its quantized counterpart with the spec's per-table dtypes (``quantize_in_place``).
+Modules the project cannot serve are refused by path and type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from handlers.modeling import tbe
+from handlers.modeling.errors import SpecError
+from handlers.modeling.spec import ModelSpec, Pooling, TableSpec, WeightDtype
+
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig  # isort: skip
+from torchrec.modules.embedding_configs import DataType, PoolingType  # isort: skip
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection  # isort: skip
+from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection  # isort: skip
+from torchrec.distributed.quant_embedding import ShardedQuantEmbeddingCollection  # isort: skip
+from torchrec.distributed.quant_embeddingbag import ShardedQuantEmbeddingBagCollection  # isort: skip
+from torchrec.quant.embedding_modules import (  # isort: skip
+    EmbeddingBagCollection as QuantEmbeddingBagCollection,
+    EmbeddingCollection as QuantEmbeddingCollection,
+)
+
+_TORCHREC_DTYPE = {
+    WeightDtype.FP32: DataType.FP32,
+    WeightDtype.FP16: DataType.FP16,
+    WeightDtype.INT8: DataType.INT8,
+    WeightDtype.INT4: DataType.INT4,
+}
+_POOLING = {Pooling.SUM: PoolingType.SUM, Pooling.MEAN: PoolingType.MEAN}
+
+# What the project cannot serve yet, and why (refused at build by path and type).
+_UNSERVABLE: dict[type, str] = {
+    FeatureProcessedEmbeddingBagCollection: "feature processors are not served",
+    BaseManagedCollisionEmbeddingCollection: "managed-collision (raw id) tables are not served yet",
+}
+
+
+class EmbeddingTables:
+    """The spec's tables as TorchRec's float embedding modules on ``device`` (``meta`` where the
+    factory needs only their shapes). ``bags``: pooled tables (``pooling: sum | mean``) in an
+    ``EmbeddingBagCollection``; ``sequences``: unpooled ones (``pooling: none``) in an
+    ``EmbeddingCollection``. Without names, every table of that kind."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+
+    def bags(self, *names: str) -> EmbeddingBagCollection:
+        tables = self._tables(names, pooled=True)
+        return EmbeddingBagCollection(
+            tables=bag_configs(tables), is_weighted=self.spec.weighted_ids, device=self.device
+        )
+
+    def sequences(self, *names: str) -> EmbeddingCollection:
+        return EmbeddingCollection(tables=sequence_configs(self._tables(names, pooled=False)), device=self.device)
+
+    def _tables(self, names: tuple[str, ...], pooled: bool) -> list[TableSpec]:
+        by_name = {t.name: t for t in self.spec.tables}
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise SpecError(f"tables: the architecture asks for {unknown}, the spec has {sorted(by_name)}")
+        chosen = [by_name[n] for n in names] if names else [
+            t for t in self.spec.tables if (t.pooling != Pooling.NONE) == pooled
+        ]
+        wrong = [t.name for t in chosen if (t.pooling != Pooling.NONE) != pooled]
+        if wrong:
+            kind = "pooled (bags)" if pooled else "unpooled (sequences, pooling: none)"
+            raise SpecError(f"tables: {wrong} asked for as {kind} tables; their spec pooling says otherwise")
+        return chosen
+
+
+def bag_configs(tables: Iterable[TableSpec], with_dtypes: bool = False) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name=t.name,
+            num_embeddings=t.rows,
+            embedding_dim=t.dim,
+            feature_names=list(t.features),
+            pooling=_POOLING[t.pooling],
+            data_type=_TORCHREC_DTYPE[t.weight_dtype] if with_dtypes else DataType.FP32,
+        )
+        for t in tables
+    ]
+
+
+def sequence_configs(tables: Iterable[TableSpec], with_dtypes: bool = False) -> list[EmbeddingConfig]:
+    return [
+        EmbeddingConfig(
+            name=t.name,
+            num_embeddings=t.rows,
+            embedding_dim=t.dim,
+            feature_names=list(t.features),
+            data_type=_TORCHREC_DTYPE[t.weight_dtype] if with_dtypes else DataType.FP32,
+        )
+        for t in tables
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collection:
+    """One embedding module of a model: its path, and the names of its tables."""
+
+    path: str
+    module: nn.Module
+    tables: tuple[str, ...]
+
+    @property
+    def pooled(self) -> bool:
+        return isinstance(self.module, (EmbeddingBagCollection, QuantEmbeddingBagCollection))
+
+
+def find_collections(model: nn.Module) -> list[Collection]:
+    """Every float or quantized embedding collection of ``model``, in module order; raises
+    ``SpecError`` naming the path and type of one the project cannot serve."""
+    found = []
+    for path, module in model.named_modules():
+        for kind, why in _UNSERVABLE.items():
+            if isinstance(module, kind):
+                raise SpecError(f"{path or 'model'}: {type(module).__name__}: {why}")
+        if isinstance(module, (EmbeddingBagCollection, QuantEmbeddingBagCollection)):
+            names = tuple(c.name for c in module.embedding_bag_configs())
+        elif isinstance(module, (EmbeddingCollection, QuantEmbeddingCollection)):
+            names = tuple(c.name for c in module.embedding_configs())
+        else:
+            continue
+        found.append(Collection(path, module, names))
+    return found
+
+
+def check_collections(collections: list[Collection], spec: ModelSpec) -> None:
+    """The model's collections hold every spec table exactly once, with its rows, dim, pooling and
+    features; raises ``SpecError`` naming the first table (or module) that does not."""
+    if not collections:
+        raise SpecError("architecture: its model holds no EmbeddingBagCollection or EmbeddingCollection")
+    by_name = {t.name: t for t in spec.tables}
+    seen: dict[str, str] = {}
+    for collection in collections:
+        configs = (
+            collection.module.embedding_bag_configs() if collection.pooled else collection.module.embedding_configs()
+        )
+        for config in configs:
+            where = f"{collection.path}: table {config.name}"
+            if config.name in seen:
+                raise SpecError(f"{where}: also in {seen[config.name]}; a table lives in one collection")
+            seen[config.name] = collection.path
+            table = by_name.get(config.name)
+            if table is None:
+                raise SpecError(f"{where}: not in the spec's tables ({', '.join(by_name)})")
+            if (config.num_embeddings, config.embedding_dim) != (table.rows, table.dim):
+                raise SpecError(
+                    f"{where}: {config.num_embeddings} rows x dim {config.embedding_dim}, the spec says "
+                    f"{table.rows} x {table.dim}"
+                )
+            if tuple(config.feature_names) != table.features:
+                raise SpecError(f"{where}: features {config.feature_names}, the spec says {list(table.features)}")
+            if collection.pooled == (table.pooling == Pooling.NONE):
+                module = "an EmbeddingBagCollection (pooled)" if collection.pooled else "an EmbeddingCollection (unpooled)"
+                raise SpecError(f"{where}: in {module}, the spec's pooling is {table.pooling.value}")
+    missing = [n for n in by_name if n not in seen]
+    if missing:
+        raise SpecError(f"tables: {missing} are in the spec but in none of the model's embedding collections")
+
+
+def quantize_in_place(model: nn.Module, spec: ModelSpec, device: torch.device) -> list[Collection]:
+    """Replaces each float collection of ``model`` by TorchRec's quantized one (FBGEMM TBEs in the
+    spec's per-table dtypes, weights not allocated: ``tbe.deferred_tbe_weights``). Returns the
+    quantized collections."""
+    floats = find_collections(model)
+    check_collections(floats, spec)
+    by_name = {t.name: t for t in spec.tables}
+    quantized = []
+    with tbe.deferred_tbe_weights():
+        for collection in floats:
+            tables = [by_name[n] for n in collection.tables]
+            if collection.pooled:
+                module: nn.Module = QuantEmbeddingBagCollection(
+                    tables=bag_configs(tables, with_dtypes=True),
+                    is_weighted=collection.module.is_weighted(),
+                    device=device,
+                    output_dtype=torch.float,
+                    register_tbes=True,
+                    row_alignment=tbe.ROW_ALIGNMENT,
+                )
+            else:
+                module = QuantEmbeddingCollection(
+                    tables=sequence_configs(tables, with_dtypes=True),
+                    device=device,
+                    output_dtype=torch.float,
+                    register_tbes=True,
+                    row_alignment=tbe.ROW_ALIGNMENT,
+                )
+            _replace(model, collection.path, module)
+            quantized.append(Collection(collection.path, module, collection.tables))
+    return quantized
+
+
+_SHARDED = (ShardedQuantEmbeddingBagCollection, ShardedQuantEmbeddingCollection)
+
+
+def table_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """The state-dict prefixes of the model's embedding collections (``path.``), sharded ones
+    included: what is not dense."""
+    sharded = [path for path, module in model.named_modules() if isinstance(module, _SHARDED)]
+    return tuple(f"{path}." for path in [c.path for c in find_collections(model)] + sharded)
+
+
+def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+    if not path:
+        raise SpecError("architecture: the model is itself an embedding collection; wrap it in a module")
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent), name, module)
