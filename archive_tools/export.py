@@ -6,6 +6,7 @@ graph's dynamic shapes:
 
 * ``ROWS`` / ``CONTEXT`` ``[N or K, D]``: dim 0 dynamic (N items, or K requests);
 * ``JAGGED``: ``values [V]`` (and ``weights [V]``) with V dynamic, and ``lengths [F, N]``;
+* ``CONTEXT_JAGGED``: ``values [V']`` with V' dynamic, and ``lengths [F', K]``;
 * ``ITEM_COUNTS`` ``[K]``.
 
 A graph takes batches of any size, except where TorchAO's int8 dynamic activation quantization is
@@ -51,6 +52,8 @@ def dynamic_shapes(
             shapes.append({0: items})
         elif tag.kind in (BatchKind.CONTEXT, BatchKind.ITEM_COUNTS):
             shapes.append({0: requests})
+        elif tag.kind == BatchKind.CONTEXT_JAGGED:  # ids per request: their own count of values
+            shapes += [{0: Dim("context_values", min=0, max=MAX_VALUES)}, {1: requests}]
         else:  # JAGGED
             shapes += [{0: values}, {1: items}] + ([{0: values}] if weighted else [])
     return tuple(shapes)

@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from handlers.modeling.embedding_modules import EmbeddingTables
-from handlers.modeling.spec import ModelSpec
+from handlers.modeling.errors import SpecError
+from handlers.modeling.spec import ModelSpec, Pooling
 from handlers.runtime.inputs import BatchKind, Feature, InputSchema, InputTag
 
 # The contract's version: raised when a change would break architectures written for the last one.
@@ -83,17 +84,31 @@ class Architecture(abc.ABC):
         return 0
 
     def input_schema(self, spec: Any) -> InputSchema:
-        """What the runtime needs to decode and batch requests for this model (``inputs.json``)."""
+        """What the runtime needs to decode and batch requests for this model (``inputs.json``):
+        the items' features are the jagged input's keys, the per-request ones (if any) the
+        context_jagged input's."""
+        tags = self.input_tags(spec)
+        features = _features(spec)
+        item_keys = next(t.keys for t in tags if t.kind == BatchKind.JAGGED)
+        context_keys = next((t.keys for t in tags if t.kind == BatchKind.CONTEXT_JAGGED), ())
+        unused = [f for f in features if f not in item_keys + context_keys]
+        unknown = [f for f in item_keys + context_keys if f not in features]
+        if unused or unknown:
+            raise SpecError(
+                f"architecture {spec.architecture}: its inputs' keys and the spec's features differ "
+                f"(features no input takes: {unused}; keys no table serves: {unknown})"
+            )
         return InputSchema(
             model=spec.name,
-            tags=self.input_tags(spec),
+            tags=tags,
             dense_features=spec.dense_features,
-            features=tuple(Feature(n, r) for n, r in zip(spec.feature_names, spec.feature_rows)),
+            features=tuple(features[f] for f in item_keys),
             context_features=self.context_features(spec),
             weighted_ids=spec.weighted_ids,
             out_of_range=spec.out_of_range,
             limits=spec.limits.to_limits(),
             min_requests=spec.min_requests,
+            context_sparse=tuple(features[f] for f in context_keys),
         )
 
     def synthetic_request(
@@ -101,25 +116,44 @@ class Architecture(abc.ABC):
     ) -> dict:
         """A seeded JSON request of ``num_items`` items: dense rows normal, ids uniform over each
         table, bags of 0..``max_bag`` ids, weights in [0, 2) on about half the bags of a weighted
-        model, and a context row where the model takes one."""
+        model, a context row where the model takes one, and per-request sequences of
+        0..4 x ``max_bag`` ids (within each feature's cap) where it takes them."""
         rng = np.random.default_rng(seed)
+        schema = self.input_schema(spec)
         items = []
         for _ in range(num_items):
             sparse: dict[str, Any] = {}
-            for feature, rows in zip(spec.feature_names, spec.feature_rows):
-                bag = rng.integers(0, rows, size=int(rng.integers(0, max_bag + 1))).tolist()
+            for feature in schema.features:
+                bag = rng.integers(0, feature.rows, size=int(rng.integers(0, max_bag + 1))).tolist()
                 if spec.weighted_ids and rng.random() < 0.5:
                     weights = rng.uniform(0, 2, size=len(bag)).round(3).tolist()
-                    sparse[feature] = {"ids": bag, "weights": weights}
+                    sparse[feature.name] = {"ids": bag, "weights": weights}
                 else:
-                    sparse[feature] = bag
+                    sparse[feature.name] = bag
             items.append({"dense": rng.normal(size=spec.dense_features).round(4).tolist(), "sparse": sparse})
         request: dict = {"items": items}
         if self.context_features(spec):
             request["context"] = rng.normal(size=self.context_features(spec)).round(4).tolist()
+        if schema.context_sparse:
+            request["context_sparse"] = {
+                f.name: rng.integers(0, f.rows, size=int(rng.integers(0, min(4 * max_bag, f.max_length or 4 * max_bag) + 1))).tolist()
+                for f in schema.context_sparse
+            }
         if return_logits:
             request["return_logits"] = True
         return request
+
+
+def _features(spec: Any) -> dict[str, Feature]:
+    """Every spec feature with its table's rows and, for a sequence table, its cap."""
+    found = {}
+    for table in spec.tables:
+        cap = None
+        if table.pooling == Pooling.NONE:
+            cap = table.max_sequence_length or spec.limits.max_ids_per_bag
+        for name in table.features:
+            found[name] = Feature(name, table.rows, cap)
+    return found
 
 
 def per_item_tags(spec: Any) -> tuple[InputTag, ...]:

@@ -67,7 +67,7 @@ class EagerModel:
 
 class PlainInputs(nn.Module):
     """``model`` taking plain tensors, as ``handlers.runtime.batching.plain_arguments`` lays them
-    out (a jagged input as values, lengths [F, N] and, if ``weighted``, weights): the module that
+    out (a jagged input as values, lengths [F, N or K] and, if ``weighted``, the items' weights): the module that
     ``torch.export`` captures, so that graphs take exactly what the runtime's batch holds."""
 
     def __init__(self, model: nn.Module, tags: Sequence[InputTag], weighted: bool) -> None:
@@ -80,10 +80,11 @@ class PlainInputs(nn.Module):
         inputs: list[Any] = []
         position = 0
         for tag in self.tags:
-            if tag.kind == BatchKind.JAGGED:
+            if tag.kind in (BatchKind.JAGGED, BatchKind.CONTEXT_JAGGED):
+                weighted = self.weighted and tag.kind == BatchKind.JAGGED  # per-id weights: items' only
                 values, lengths = tensors[position], tensors[position + 1]
-                weights = tensors[position + 2] if self.weighted else None
-                position += 3 if self.weighted else 2
+                weights = tensors[position + 2] if weighted else None
+                position += 3 if weighted else 2
                 inputs.append(
                     KeyedJaggedTensor(
                         keys=list(tag.keys), values=values, lengths=lengths.reshape(-1), weights=weights

@@ -7,10 +7,15 @@ imports the code that built the model.
 
 Batch tags, for K requests of n_1..n_K items (N = sum):
 
-* ``ROWS``        [n_k, D] per request      -> [N, D]
-* ``JAGGED``      bags of ids per feature   -> ``JaggedIds`` with lengths [F, N] (feature-major)
-* ``CONTEXT``     [1, D] once per request   -> [K, D] (the model spreads it over the items)
-* ``ITEM_COUNTS`` made by the coalescer     -> int64 [K]: n_1..n_K
+* ``ROWS``           [n_k, D] per request      -> [N, D]
+* ``JAGGED``         bags of ids per feature   -> ``JaggedIds`` with lengths [F, N] (feature-major)
+* ``CONTEXT``        [1, D] once per request   -> [K, D] (the model spreads it over the items)
+* ``CONTEXT_JAGGED`` ids per feature, once per request (a user's history) -> ``JaggedIds`` with
+                     lengths [F, K]
+* ``ITEM_COUNTS``    made by the coalescer     -> int64 [K]: n_1..n_K
+
+A feature of a sequence table (``max_length`` set) is looked up unpooled: the model receives one
+embedding per id.
 
 Example::
 
@@ -32,6 +37,7 @@ class BatchKind(str, enum.Enum):
     ROWS = "rows"
     JAGGED = "jagged"
     CONTEXT = "context"
+    CONTEXT_JAGGED = "context_jagged"
     ITEM_COUNTS = "item_counts"
 
 
@@ -74,10 +80,13 @@ class Limits:
 
 @dataclasses.dataclass(frozen=True)
 class Feature:
-    """One sparse feature and the row count of the table it looks up."""
+    """One sparse feature and the row count of the table it looks up; ``max_length``: the most
+    ids of one sequence, for a feature of a sequence (unpooled) table, else None (bags: the
+    limits' ``max_ids_per_bag``)."""
 
     name: str
     rows: int
+    max_length: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +98,8 @@ class InputSchema:
     id may carry a float weight; ``min_requests``: the fewest requests one forward takes (a graph
     with TorchAO's int8 dynamic quantization takes 2; the service pads); ``output``: scores, or
     for an embedding shard (ids only: no rows or context input) pooled embeddings, each feature's
-    ``embedding_widths`` wide.
+    ``embedding_widths`` wide; ``context_sparse``: the features sent once per request (the
+    ``CONTEXT_JAGGED`` input's keys), e.g. a user's history.
     """
 
     model: str
@@ -103,6 +113,7 @@ class InputSchema:
     min_requests: int = 1
     output: Output = Output.SCORES
     embedding_widths: tuple[int, ...] = ()
+    context_sparse: tuple[Feature, ...] = ()
 
     def __post_init__(self) -> None:
         kinds = [t.kind for t in self.tags]
@@ -120,6 +131,13 @@ class InputSchema:
             )
         if (BatchKind.CONTEXT in kinds) != (self.context_features > 0):
             raise ValueError("inputs: a context input goes with context_features > 0, and only then")
+        if kinds.count(BatchKind.CONTEXT_JAGGED) > 1:
+            raise ValueError("inputs: at most one context_jagged input (the per-request ids)")
+        context_ids = self.context_jagged
+        if (context_ids.keys if context_ids else ()) != tuple(f.name for f in self.context_sparse):
+            raise ValueError("inputs: the context_jagged input's keys must be the context_sparse features, in order")
+        if BatchKind.CONTEXT_JAGGED in kinds and BatchKind.ITEM_COUNTS not in kinds:
+            raise ValueError("inputs: a context_jagged input needs an item_counts input (which items are whose)")
         if self.jagged.keys != self.feature_names:
             raise ValueError("inputs: the jagged input's keys must be the features, in order")
 
@@ -145,6 +163,11 @@ class InputSchema:
     def context(self) -> InputTag | None:
         return next((t for t in self.tags if t.kind == BatchKind.CONTEXT), None)
 
+    @property
+    def context_jagged(self) -> InputTag | None:
+        """The per-request ids (sent once for all of a request's items), if the model takes them."""
+        return next((t for t in self.tags if t.kind == BatchKind.CONTEXT_JAGGED), None)
+
     # -- the archive's inputs.json -----------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -167,6 +190,7 @@ class InputSchema:
             min_requests=raw["min_requests"],
             output=Output(raw.get("output", Output.SCORES.value)),
             embedding_widths=tuple(raw.get("embedding_widths", ())),
+            context_sparse=tuple(Feature(**f) for f in raw.get("context_sparse", ())),
         )
 
     def save(self, path: Path) -> None:

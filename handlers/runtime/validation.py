@@ -7,22 +7,24 @@ e.g. ``items[2].sparse.cat_4[1]``.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from handlers.runtime.errors import BadRequest
-from handlers.runtime.inputs import InputSchema, OutOfRangePolicy
+from handlers.runtime.inputs import Feature, InputSchema, OutOfRangePolicy
 
 FieldOf = Callable[[int, int, "int | None"], str]
 
 
 class RequestChecks:
-    """Validates one request's sizes and ids for one model."""
+    """Validates one request's sizes and ids for one model: ``ids`` for the items' features,
+    ``context_ids`` for the features sent once per request."""
 
     def __init__(self, schema: InputSchema) -> None:
         self.schema = schema
-        self._feature_rows = np.asarray(schema.feature_rows, dtype=np.int64)
+        self._items = _IdChecks(schema.features, schema.limits.max_ids_per_bag, schema.out_of_range)
+        self._context = _IdChecks(schema.context_sparse, schema.limits.max_ids_per_bag, schema.out_of_range)
 
     def item_count(self, field: str, count: int) -> None:
         cap = self.schema.limits.max_items_per_request
@@ -32,12 +34,32 @@ class RequestChecks:
     def ids(self, ids: np.ndarray, lengths: np.ndarray, field_of: FieldOf) -> tuple[np.ndarray, int]:
         """Checks ids (int64, feature-major) against bag caps and table rows; returns them with the
         out-of-range policy applied, and how many it hashed. ``lengths``: [F, n] bag sizes."""
-        cap = self.schema.limits.max_ids_per_bag
-        if lengths.size and lengths.max() > cap:
-            f, i = np.unravel_index(int(np.argmax(lengths)), lengths.shape)
+        return self._items.check(ids, lengths, field_of)
+
+    def context_ids(self, ids: np.ndarray, lengths: np.ndarray, field_of: FieldOf) -> tuple[np.ndarray, int]:
+        """``ids`` for the per-request features: ``lengths`` [F, K], one column per request."""
+        return self._context.check(ids, lengths, field_of)
+
+
+class _IdChecks:
+    """The checks of one jagged input's features: each one's cap (a sequence feature's
+    ``max_length``, else ``max_ids_per_bag``) and its table's rows."""
+
+    def __init__(self, features: Sequence[Feature], bag_cap: int, policy: OutOfRangePolicy) -> None:
+        self.rows = np.asarray([f.rows for f in features], dtype=np.int64)
+        self.caps = np.asarray([f.max_length or bag_cap for f in features], dtype=np.int64)
+        self.smallest_cap = int(self.caps.min()) if len(features) else bag_cap
+        self.sequences = [f.max_length is not None for f in features]
+        self.policy = policy
+
+    def check(self, ids: np.ndarray, lengths: np.ndarray, field_of: FieldOf) -> tuple[np.ndarray, int]:
+        over = lengths > self.caps[:, None] if lengths.size and lengths.max() > self.smallest_cap else None
+        if over is not None and over.any():
+            f, i = np.unravel_index(int(np.argmax(over)), lengths.shape)
+            cap, what = int(self.caps[f]), "sequence" if self.sequences[f] else "bag"
             raise BadRequest(
                 field_of(int(f), int(i), None),
-                f"{int(lengths[f, i])} ids exceed the limit of {cap} per bag",
+                f"{int(lengths[f, i])} ids exceed the limit of {cap} per {what}",
                 "too_large",
             )
         if (ids < 0).any():
@@ -45,10 +67,10 @@ class RequestChecks:
             raise BadRequest(
                 field_of(*bag_position(lengths, k)), f"ids must be >= 0, got {ids[k]}", "id_out_of_range"
             )
-        rows = np.repeat(self._feature_rows, lengths.sum(axis=1))
+        rows = np.repeat(self.rows, lengths.sum(axis=1))
         beyond = ids >= rows
         if beyond.any():
-            if self.schema.out_of_range == OutOfRangePolicy.HASH:
+            if self.policy == OutOfRangePolicy.HASH:
                 return np.where(beyond, ids % rows, ids), int(beyond.sum())
             k = int(np.argmax(beyond))
             raise BadRequest(

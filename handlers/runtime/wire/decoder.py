@@ -8,7 +8,8 @@ answer), whatever the wire form. The body's keys say which form it is:
   a ``BinaryBody`` is one with binary tensors after its JSON header.
 
 The JSON forms also take ``"context": [C floats]`` once per request for a model with a context
-input, and ``"return_logits": true``. Anything else is refused with a ``BadRequest`` naming the
+input, ``"context_sparse": {feature: [ids]}`` for one with per-request ids (``json_context_ids``),
+and ``"return_logits": true``. Anything else is refused with a ``BadRequest`` naming the
 field, e.g. ``items[2].sparse.cat_4[1]``, in the form's own error shape; so is a JSON key given
 twice in one object (parsers would keep the last silently). An embedding shard (a schema whose
 output is ``embeddings``) is called by the dense host of its layout and takes v2 tensors only.
@@ -29,6 +30,7 @@ from handlers.runtime.errors import BadRequest, ServingError
 from handlers.runtime.inputs import InputSchema, Output, RequestInputs
 from handlers.runtime.validation import RequestChecks
 from handlers.runtime.wire.json_columnar import DENSE_KEY, ColumnarDecoder
+from handlers.runtime.wire.json_context_ids import CONTEXT_SPARSE_KEY, ContextIdsDecoder
 from handlers.runtime.wire.json_items import ItemsDecoder, SentItems
 from handlers.runtime.wire.json_values import (
     float_rows,
@@ -64,6 +66,7 @@ class _Sent(NamedTuple):
 
     items: SentItems
     context: Any  # the context row as sent, for a model with a context input
+    context_ids: Any  # its per-request sequences (ContextIdsDecoder.parse), for a model with them
     encoder: JsonEncoder
     num_items: int
 
@@ -81,9 +84,12 @@ class RequestDecoder:
             return
         self._rows_name, self._ids_name = schema.rows.name, schema.jagged.name
         self._context = schema.context
+        self._context_jagged = schema.context_jagged
         self._items = ItemsDecoder(schema, checks)
         self._columnar = ColumnarDecoder(schema, checks)
+        self._context_ids = ContextIdsDecoder(schema, checks)
         shared = {RETURN_LOGITS_KEY} | ({CONTEXT_KEY} if schema.context else set())
+        shared |= {CONTEXT_SPARSE_KEY} if schema.context_jagged else set()
         self._items_keys = frozenset({"items"} | shared)
         self._columnar_keys = self._columnar.keys | shared
 
@@ -179,17 +185,18 @@ class RequestDecoder:
         if self._context is not None and context is None:
             width = self.schema.context_features
             raise BadRequest(CONTEXT_KEY, f"required: a list of {width} numbers", "missing_field")
+        context_ids = self._context_ids.parse(body.get(CONTEXT_SPARSE_KEY)) if self._context_jagged else None
         if "items" in body:
             if not body.keys() <= self._items_keys:
                 reject_unknown(body, self._items_keys, "")
             items = self._items.parse(body["items"])
-            return _Sent(items, context, _JSON_ENCODERS[return_logits, False], len(items.dense))
+            return _Sent(items, context, context_ids, _JSON_ENCODERS[return_logits, False], len(items.dense))
         if DENSE_KEY in body:
             reject_unknown(body, self._columnar_keys, "")
             rows = self._columnar.decode(body)
-            tensors = self._tensors(rows, [context])
+            tensors, hashed = self._tensors(rows, [context], [context_ids])
             encoder = _JSON_ENCODERS[return_logits, True]
-            return DecodedRequest(RequestInputs(rows.dense.shape[0], tensors), encoder, rows.hashed_ids)
+            return DecodedRequest(RequestInputs(rows.dense.shape[0], tensors), encoder, rows.hashed_ids + hashed)
         raise BadRequest(
             "items",
             "required (or the columnar form with float_features and id_list_features, or "
@@ -200,18 +207,22 @@ class RequestDecoder:
     def _arrays(self, sent: Sequence[_Sent]) -> tuple[RequestInputs, int]:
         """The inputs of all items of ``sent``, and how many ids the out-of-range policy hashed."""
         rows = self._items.rows([s.items for s in sent])
-        tensors = self._tensors(rows, [s.context for s in sent])
+        tensors, hashed = self._tensors(rows, [s.context for s in sent], [s.context_ids for s in sent])
         counts = tuple(s.num_items for s in sent)
-        return RequestInputs(sum(counts), tensors, counts if len(sent) > 1 else ()), rows.hashed_ids
+        return RequestInputs(sum(counts), tensors, counts if len(sent) > 1 else ()), rows.hashed_ids + hashed
 
-    def _tensors(self, rows: DecodedRows, contexts: list[Any]) -> dict[str, Any]:
-        """The model's inputs: the rows, their ids and (a context model) each request's context row."""
+    def _tensors(self, rows: DecodedRows, contexts: list[Any], context_ids: list[Any]) -> tuple[dict[str, Any], int]:
+        """The model's inputs: the rows, their ids and (a context model) each request's context
+        row and per-request ids; and how many of those ids the out-of-range policy hashed."""
         tensors: dict[str, Any] = {self._rows_name: rows.dense, self._ids_name: rows.ids}
         context = self._context
         if context is not None:
             width = self.schema.context_features
             tensors[context.name] = torch.from_numpy(float_rows(contexts, width, lambda _: CONTEXT_KEY))
-        return tensors
+        if self._context_jagged is None:
+            return tensors, 0
+        tensors[self._context_jagged.name], hashed = self._context_ids.jagged(context_ids)
+        return tensors, hashed
 
 
 def _split_binary(body: BinaryBody) -> tuple[memoryview, memoryview]:

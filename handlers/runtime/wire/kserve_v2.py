@@ -11,11 +11,14 @@ The model's inputs are named tensors, laid out as the batch tags lay them out (`
        {"name": "sparse_features.lengths", "datatype": "INT64", "shape": [F, n], "data": [...]},
        {"name": "sparse_features.values", "datatype": "INT64", "shape": [V], "data": [...]},
        {"name": "sparse_features.weights", "datatype": "FP32", "shape": [V], "data": [...]},
-       {"name": "context_features", "datatype": "FP32", "shape": [1, C], "data": [...]}],
+       {"name": "context_features", "datatype": "FP32", "shape": [1, C], "data": [...]},
+       {"name": "<ids>.lengths", "datatype": "INT64", "shape": [F', 1], "data": [...]},
+       {"name": "<ids>.values", "datatype": "INT64", "shape": [V'], "data": [...]}],
      "outputs": [{"name": "scores"}, {"name": "logits"}]}   # optional; default: scores
 
 ``weights`` only for a model with weighted ids (optional: 1), ``context_features`` only for a model
-with a context input. JSON ``data`` is row-major, flat or nested. An embedding shard of a
+with a context input, ``<ids>.lengths`` and ``.values`` (``<ids>``: the input's name, e.g.
+``history``) only for one that takes ids once per request, its F' features' sequences. JSON ``data`` is row-major, flat or nested. An embedding shard of a
 distributed layout takes only the ids and answers ``embeddings``, FP32 [n, W]: each item's pooled
 embeddings, feature after feature. With ``sparse_features.bags`` (INT64 [F]: feature f's bags are
 its first bags_f items; the items after them must be empty) it answers only those, FP32
@@ -52,10 +55,10 @@ import numpy as np
 import torch
 
 from handlers.runtime.errors import BadRequest
-from handlers.runtime.inputs import InputSchema, Output, RequestInputs
+from handlers.runtime.inputs import InputSchema, JaggedIds, Output, RequestInputs
 from handlers.runtime.validation import RequestChecks, bag_position
 from handlers.runtime.wire.json_values import finite_float32s, int_array, json_type, reject_unknown
-from handlers.runtime.wire.messages import DecodedRequest, DecodedRows
+from handlers.runtime.wire.messages import DecodedRequest, DecodedRows, as_tensor
 from handlers.runtime.wire.v2_answers import EMBEDDINGS, HEADER_LENGTH, V2Encoder
 
 # v2 datatypes this model's inputs may come in, as little-endian numpy dtypes
@@ -102,6 +105,8 @@ class V2Decoder:
             "values": f"{jagged}.values",
             "weights": f"{jagged}.weights",
             "context": schema.context.name if schema.context else None,
+            "context_lengths": f"{schema.context_jagged.name}.lengths" if schema.context_jagged else None,
+            "context_values": f"{schema.context_jagged.name}.values" if schema.context_jagged else None,
             "bags": f"{jagged}.bags" if self.embeddings else None,
         }
         known = {n for key, n in self.names.items() if n and (key != "weights" or schema.weighted_ids)}
@@ -130,13 +135,17 @@ class V2Decoder:
         if self.schema.context is not None:
             context = self._array(tensors, "context", FLOAT_TYPES, (1, self.schema.context_features))
             inputs[self.schema.context.name] = torch.from_numpy(context)
+        hashed = rows.hashed_ids
+        if self.schema.context_jagged is not None:
+            inputs[self.schema.context_jagged.name], context_hashed = self._context_ids(tensors)
+            hashed += context_hashed
         outputs, binary_outputs = self._outputs(body.get("outputs"), parameters.get("binary_data_output"))
         bags = self._bags(tensors, rows.ids.lengths.numpy()) if self.names["bags"] in tensors else None
         encoder = V2Encoder(
             self.model_name, request_id, outputs, binary_outputs, bags, self.schema.embedding_widths,
             self.model_version,
         )
-        return DecodedRequest(RequestInputs(rows.dense.shape[0], inputs), encoder, rows.hashed_ids)
+        return DecodedRequest(RequestInputs(rows.dense.shape[0], inputs), encoder, hashed)
 
     @staticmethod
     def key_count(body: dict) -> int:
@@ -202,7 +211,7 @@ class V2Decoder:
                 f"binary_data_size add up to {offset} of {len(binary)}",
                 "malformed_body",
             )
-        for key in ("dense", "lengths", "values", "context"):
+        for key in ("dense", "lengths", "values", "context", "context_lengths", "context_values"):
             name = self.names[key]
             if name is not None and name not in tensors:
                 raise BadRequest("inputs", f"input {name!r} is required", "missing_field")
@@ -242,6 +251,23 @@ class V2Decoder:
                 else np.ones(len(ids), dtype=np.float32)
             )
         return DecodedRows.from_arrays(dense, lengths, ids, weights, hashed)
+
+    def _context_ids(self, tensors: dict[str, _Tensor]) -> tuple[JaggedIds, int]:
+        """The request's per-request ids: lengths [F', 1] and their values."""
+        lengths = self._array(tensors, "context_lengths", INT_TYPES, (len(self.schema.context_sparse), 1))
+        if (lengths < 0).any():
+            raise BadRequest(tensors[self.names["context_lengths"]].field, "lengths must be >= 0")
+        values = tensors[self.names["context_values"]]
+        names = [f.name for f in self.schema.context_sparse]
+
+        def field_of(f: int, _: int, j: int | None) -> str:
+            return f"{values.field} (feature {names[f]}" + ("" if j is None else f", id {j}") + ")"
+
+        ids = self._array(
+            tensors, "context_values", INT_TYPES, (int(lengths.sum()),), lambda k: field_of(*bag_position(lengths, k))
+        )
+        ids, hashed = self.checks.context_ids(ids, lengths, field_of)
+        return JaggedIds(lengths=as_tensor(np.ascontiguousarray(lengths)), values=as_tensor(ids)), hashed
 
     def _bags(self, tensors: dict[str, _Tensor], lengths: np.ndarray) -> tuple[int, ...]:
         """An embedding shard's ``bags`` [F]: how many leading items of each feature hold its bags

@@ -91,11 +91,11 @@ class DecodedRows:
         hashed_ids: int,
     ) -> "DecodedRows":
         jagged = JaggedIds(
-            lengths=_tensor(lengths),
-            values=_tensor(ids),
-            weights=None if weights is None else _tensor(weights),
+            lengths=as_tensor(lengths),
+            values=as_tensor(ids),
+            weights=None if weights is None else as_tensor(weights),
         )
-        return cls(_tensor(dense), jagged, hashed_ids)
+        return cls(as_tensor(dense), jagged, hashed_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +139,7 @@ class Rejected(Exception):
         return self.encoder.error(self.error)
 
 
-def _tensor(array: np.ndarray) -> torch.Tensor:
+def as_tensor(array: np.ndarray) -> torch.Tensor:
     """The array as a tensor sharing its memory. Binary request tensors are views of the request's
     (read-only) bytes, which torch warns about; nothing downstream writes into a request's inputs."""
     if array.flags.writeable:
