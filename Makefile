@@ -48,12 +48,13 @@ wrk:
 
 # torch is pinned and installed first so nothing resolves a CUDA build; torchrec goes in with
 # --no-deps because its metadata asks for the CUDA fbgemm-gpu (we use fbgemm-gpu-cpu).
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml examples/din/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/pip install --quiet --no-deps torchrec==1.8.0
+	$(BIN)/pip install --quiet --no-deps -e examples/din  # the DIN example: a user's own architecture package
 	$(BIN)/torchrec-serve --help > /dev/null
 	$(BIN)/python -c "from handlers.runtime.remote.grpc_stubs import messages; messages()"  # gRPC stubs compile
 	$(BIN)/python -c "import torch, torchrec, fbgemm_gpu, ts; print('torch', torch.__version__, 'torchrec', torchrec.__version__)"

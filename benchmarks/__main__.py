@@ -16,12 +16,13 @@ from benchmarks.freshness import FRESHNESS_SCENARIOS, run_freshness
 from benchmarks.reliability import RELIABILITY_SCENARIOS, run_reliability
 from benchmarks.run import run
 from benchmarks.scenarios import REPO, SCENARIOS
+from benchmarks.sequence import SEQUENCE_SCENARIOS, run_sequence
 from benchmarks.speed import SPEED_SCENARIOS, run_speed
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
-    parser.add_argument("scenario", choices=sorted({*SCENARIOS, *SPEED_SCENARIOS, *RELIABILITY_SCENARIOS, *FRESHNESS_SCENARIOS, *DISTRIBUTED_SCENARIOS}))
+    parser.add_argument("scenario", choices=sorted({*SCENARIOS, *SPEED_SCENARIOS, *RELIABILITY_SCENARIOS, *FRESHNESS_SCENARIOS, *DISTRIBUTED_SCENARIOS, *SEQUENCE_SCENARIOS}))
     parser.add_argument("--out", type=Path, help="output folder")
     parser.add_argument(
         "--trace",
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         run_reliability(RELIABILITY_SCENARIOS[args.scenario], out)
     elif args.scenario in FRESHNESS_SCENARIOS:
         run_freshness(FRESHNESS_SCENARIOS[args.scenario], out)
+    elif args.scenario in SEQUENCE_SCENARIOS:
+        run_sequence(args.scenario, out)
     elif args.scenario in DISTRIBUTED_SCENARIOS:
         run_distributed(DISTRIBUTED_SCENARIOS[args.scenario], out)
     else:

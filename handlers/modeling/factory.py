@@ -25,7 +25,13 @@ from torch import nn
 
 from handlers.modeling import checkpoint, tbe
 from handlers.modeling.dense_precision import apply_dense_precision
-from handlers.modeling.embedding_modules import EmbeddingTables, quantize_in_place, table_prefixes
+from handlers.modeling.embedding_modules import (
+    EmbeddingTables,
+    check_collections,
+    find_collections,
+    quantize_in_place,
+    table_prefixes,
+)
 from handlers.modeling.errors import CheckpointError
 from handlers.modeling.registry import architecture_of, check_forward
 from handlers.modeling.sharding import shard
@@ -145,7 +151,7 @@ class DLRMFactory:
                 if view.shape[0] > 1 and view.stride(0) != row_bytes:
                     raise ValueError(f"table {name}: rows {view.stride(0)} bytes apart, expected {row_bytes}")
                 tables.append(TableLayout(name, dtypes[name], dim, rows, row_bytes, index, offset))
-        return TablesLayout(fingerprint(buffers, dense), tuple(tables), self.spec.is_sharded)
+        return TablesLayout(fingerprint(buffers, dense), tuple(tables), self.spec.is_sharded, tbe.tbe_paths(model))
 
     def save_weights(self, weights: InferenceWeights, path: str | Path) -> None:
         """``weights.pt``: one flat buffer per TBE, in FBGEMM's layout, plus the dense state."""
@@ -208,6 +214,7 @@ class DLRMFactory:
         """The architecture's model: its embedding modules on ``table_device``, the rest on ``device``."""
         model = self.architecture.build(self.spec, EmbeddingTables(self.spec, table_device), device)
         check_forward(self.architecture, self.spec, model)
+        check_collections(find_collections(model), self.spec)
         return model
 
     def _with_tables(self, weights: InferenceWeights, device: torch.device) -> nn.Module:

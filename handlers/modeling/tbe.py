@@ -71,6 +71,11 @@ def tbes(model: nn.Module) -> list[TBE]:
     return [m for m in model.modules() if isinstance(m, TBE)]
 
 
+def tbe_paths(model: nn.Module) -> tuple[str, ...]:
+    """The module path of each of ``tbes(model)``, in the same order."""
+    return tuple(path for path, m in model.named_modules() if isinstance(m, TBE))
+
+
 def attach(tbe: TBE, buffer: torch.Tensor) -> None:
     """Makes ``buffer`` (flat uint8 in this TBE's layout) the TBE's host weights, uncopied."""
     if tbe.dev_size or tbe.uvm_size:

@@ -18,7 +18,7 @@ import dataclasses
 import hashlib
 import re
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import orjson
 import torch
@@ -29,6 +29,7 @@ from handlers.runtime.archive_files import TABLES
 # The TBE buffers' keys in a served weights file: ``tbe.0`` in weights.pt, and
 # ``<module path>.tbes.0.weights_host`` among a compiled package's constants.
 _BUFFER_KEY = re.compile(r"(?:^tbe\.(\d+)$)|(?:\.tbes\.(\d+)\.weights_host$)")
+_WEIGHTS_PT_KEY = re.compile(r"^tbe\.\d+$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +46,13 @@ class TableLayout:
 @dataclasses.dataclass(frozen=True)
 class TablesLayout:
     """``sharded``: the spec shards its tables, so each worker copies them at load (no delta
-    reaches such copies)."""
+    reaches such copies); ``buffer_paths``: each TBE buffer's module path in the served model
+    (``item_embeddings.tbes.0``), how a compiled package's constants name it."""
 
     fingerprint: str
     tables: tuple[TableLayout, ...]
     sharded: bool = False
+    buffer_paths: tuple[str, ...] = ()
 
     def table(self, name: str) -> TableLayout | None:
         return next((t for t in self.tables if t.name == name), None)
@@ -58,7 +61,7 @@ class TablesLayout:
         (Path(folder) / TABLES).write_bytes(
             orjson.dumps(
                 {"fingerprint": self.fingerprint, "sharded": self.sharded,
-                 "tables": [dataclasses.asdict(t) for t in self.tables]},
+                 "tables": [dataclasses.asdict(t) for t in self.tables], "buffer_paths": list(self.buffer_paths)},
                 option=orjson.OPT_INDENT_2,
             )
         )
@@ -66,11 +69,17 @@ class TablesLayout:
     @classmethod
     def load(cls, folder: Path) -> "TablesLayout":
         raw = orjson.loads((Path(folder) / TABLES).read_bytes())
-        return cls(raw["fingerprint"], tuple(TableLayout(**t) for t in raw["tables"]), bool(raw.get("sharded")))
+        return cls(
+            raw["fingerprint"], tuple(TableLayout(**t) for t in raw["tables"]), bool(raw.get("sharded")),
+            tuple(raw.get("buffer_paths", ())),
+        )
 
 
-def table_buffers(weights: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The TBE buffers of a loaded weights file (weights.pt or a compiled package's), in order."""
+def table_buffers(weights: Mapping[str, torch.Tensor], buffer_paths: Sequence[str] = ()) -> list[torch.Tensor]:
+    """The TBE buffers of a loaded weights file (weights.pt or a compiled package's), in order:
+    a compiled package's by ``buffer_paths`` (``TablesLayout.buffer_paths``) where given."""
+    if buffer_paths and not any(_WEIGHTS_PT_KEY.match(k) for k in weights):
+        return [_constant_of(weights, path) for path in buffer_paths]
     found: dict[int, torch.Tensor] = {}
     for key, tensor in weights.items():
         match = _BUFFER_KEY.search(key)
@@ -79,6 +88,15 @@ def table_buffers(weights: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     if sorted(found) != list(range(len(found))):
         raise ValueError(f"TBE buffers {sorted(found)} are not numbered 0..{len(found) - 1}")
     return [found[i] for i in range(len(found))]
+
+
+def _constant_of(weights: Mapping[str, torch.Tensor], path: str) -> torch.Tensor:
+    """The one constant named ``...<path>.weights_host`` (export may prefix the wrapper's name)."""
+    suffix = f"{path}.weights_host"
+    found = [t for k, t in weights.items() if k == suffix or k.endswith("." + suffix)]
+    if len(found) != 1:
+        raise ValueError(f"the weights hold {len(found)} constants named like {suffix}, expected 1")
+    return found[0]
 
 
 def fingerprint(buffers: Iterable[torch.Tensor], dense: Mapping[str, torch.Tensor]) -> str:

@@ -153,7 +153,9 @@ class WorkerFreshness:
         # Mapped and pinned before serving: pinning a mapping later (6 GiB: 1.5M pages) would hold
         # up this process's memory calls, the forwards' among them, for a second or more.
         writer = TableWriter(
-            self.weights_file, table_buffers(torch.load(self.weights_file, mmap=True, weights_only=True)), self.layout
+            self.weights_file,
+            table_buffers(torch.load(self.weights_file, mmap=True, weights_only=True), self.layout.buffer_paths),
+            self.layout,
         )
         self.follower = LogFollower(self.folder, self.layout, writer, self.lock, self.pace)
         self._pin_tables(writer)

@@ -1,0 +1,152 @@
+"""The architecture contract from the user's side: an architecture named by import path from a
+folder that is no installed package, its embedding collections found wherever it put them, and
+every way of breaking the contract refused in one line naming what is wrong."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from handlers.modeling.architecture import CONTRACT_VERSION
+from handlers.modeling.eager import eager_service
+from handlers.modeling.embedding_modules import find_collections
+from handlers.modeling.errors import SpecError
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.registry import parse_spec, synthetic_request
+from tests.handlers.modeling.user_architecture import USER_MODULE, USER_SPEC
+from tests.helpers import QUANTIZATION_TOLERANCE
+
+_NAMES = itertools.count()
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """Writes a module into a fresh folder on sys.path; returns a function of its source -> its name."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def write(source: str) -> str:
+        name = f"users_models_{next(_NAMES)}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        return name
+
+    yield write
+    for name in [m for m in sys.modules if m.startswith("users_models_")]:
+        del sys.modules[name]
+
+
+def _spec(architecture: str, **changes):
+    return parse_spec({**USER_SPEC, "architecture": architecture, **changes})
+
+
+def _scores(service, requests):
+    return torch.tensor([s for r in requests for s in _json(service.handle([_body(r)]).responses[0].body)["scores"]])
+
+
+def _body(request):
+    import orjson
+
+    return orjson.dumps(request)
+
+
+def _json(body):
+    import orjson
+
+    return orjson.loads(body)
+
+
+def test_a_users_architecture_by_import_path_is_found_quantized_and_served(user_module):
+    module = user_module(USER_MODULE)
+    spec = _spec(f"{module}:TwoTowerArchitecture")
+    factory = DLRMFactory(spec)
+    float_model = factory.float_model(seed=0)
+    assert [(c.path, c.tables) for c in find_collections(float_model)] == [
+        ("user_side.embeddings", ("t_user",)),
+        ("item_bags", ("t_item", "t_cat")),
+    ]
+    weights = factory.quantize(float_model)
+    served = factory.inference_model(weights)
+    assert {c.path for c in find_collections(served)} == {"user_side.embeddings", "item_bags"}
+    requests = [synthetic_request(spec, n, seed=n) for n in (1, 4, 9)]
+    float_scores = _scores(eager_service(spec, float_model), requests)
+    served_scores = _scores(eager_service(spec, served), requests)
+    torch.testing.assert_close(served_scores, float_scores, atol=QUANTIZATION_TOLERANCE, rtol=0)
+    assert not torch.equal(served_scores, float_scores)  # int4/int8 tables: quantized, not float
+
+
+def test_every_table_of_every_collection_lies_in_the_weights_file(user_module, tmp_path):
+    spec = _spec(f"{user_module(USER_MODULE)}:TwoTowerArchitecture")
+    factory = DLRMFactory(spec)
+    weights = factory.quantize(factory.float_model(seed=0))
+    factory.save_weights(weights, tmp_path / "weights.pt")
+    layout = factory.tables_layout(tmp_path / "weights.pt")
+    assert {(t.name, t.rows, t.dtype) for t in layout.tables} == {
+        ("t_user", 300, "int8"), ("t_item", 500, "fp16"), ("t_cat", 40, "int4"),
+    }
+    loaded = factory.load_weights(tmp_path / "weights.pt")
+    for name, (rows, _) in weights.tables.items():
+        assert torch.equal(loaded.tables[name][0], rows), name
+
+
+BROKEN = [
+    ("no_such_arch", None, "architecture: 'no_such_arch' is neither a registered architecture"),
+    ("{m}:Missing", "", "has no attribute 'Missing'"),
+    ("{m}:NOT_ONE", "NOT_ONE = 3\n", "is a int, not a handlers.modeling.architecture.Architecture"),
+    ("{m}:A", "raise ImportError('torch_geometric is not installed')\n",
+     "cannot import {m}: ImportError: torch_geometric is not installed"),
+    ("{m}:NoBuild", USER_MODULE + "\nclass NoBuild(TwoTowerArchitecture):\n    build = Architecture.build\n",
+     "Can't instantiate abstract class NoBuild"),
+    ("{m}:Old", USER_MODULE + "\nclass Old(TwoTowerArchitecture):\n    contract_version = 0\n",
+     f"written for contract version 0, this torchrec-serve implements {CONTRACT_VERSION}"),
+]
+
+
+@pytest.mark.parametrize("architecture, source, message", BROKEN, ids=lambda v: str(v)[:20])
+def test_a_broken_architecture_is_refused_naming_it(user_module, architecture, source, message):
+    module = user_module(source) if source is not None else "unused"
+    with pytest.raises(SpecError, match=message.format(m=module).replace("(", r"\(").replace(")", r"\)")):
+        _spec(architecture.format(m=module))
+
+
+MODEL_FAULTS = [
+    ("forward", "def forward(self, dense, ids):",
+     r"TwoTower.forward takes \(dense, ids\), its input_tags declare \(dense_features, sparse_features\)"),
+    ("processor",
+     'self.item_bags = tables.bags("t_item", "t_cat")\n'
+     '        from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection\n'
+     '        from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection\n'
+     '        self.item_bags = FeatureProcessedEmbeddingBagCollection(tables.bags("t_item", "t_cat"), '
+     'PositionWeightedModuleCollection({"item": 4, "cat": 4}))',
+     "item_bags: FeatureProcessedEmbeddingBagCollection: feature processors are not served"),
+    ("missing table", 'self.item_bags = tables.bags("t_item", "t_cat")',
+     r"tables: \['t_user'\] are in the spec but in none of the model's embedding collections"),
+]
+
+
+@pytest.mark.parametrize("fault, change, message", MODEL_FAULTS, ids=[f[0] for f in MODEL_FAULTS])
+def test_a_model_that_breaks_the_contract_fails_the_build_naming_it(user_module, fault, change, message):
+    source = USER_MODULE
+    if fault == "forward":
+        source = source.replace("def forward(self, dense_features, sparse_features):", change)
+    elif fault == "processor":
+        source = source.replace('self.item_bags = tables.bags("t_item", "t_cat")', change)
+    else:  # the user tower's collection left out
+        source = source.replace('nn.ModuleDict({"embeddings": tables.bags("t_user")})', "nn.ModuleDict()")
+    weighted = fault == "processor"  # TorchRec's feature processors take weighted collections
+    spec = _spec(f"{user_module(source)}:TwoTowerArchitecture", weighted_ids=weighted)
+    with pytest.raises(SpecError, match=message):
+        DLRMFactory(spec).float_model(seed=0)
+
+
+def test_a_table_the_model_shapes_unlike_the_spec_is_named(user_module):
+    source = USER_MODULE.replace(
+        'tables.bags("t_item", "t_cat")',
+        '__import__("torchrec").EmbeddingBagCollection(tables=[__import__("torchrec").EmbeddingBagConfig('
+        'name="t_item", num_embeddings=499, embedding_dim=8, feature_names=["item"])], device=tables.device)',
+    )
+    spec = _spec(f"{user_module(source)}:TwoTowerArchitecture")
+    with pytest.raises(SpecError, match=r"item_bags: table t_item: 499 rows x dim 8, the spec says 500 x 8"):
+        DLRMFactory(spec).float_model(seed=0)
