@@ -75,10 +75,15 @@ class ScoringClient:
         with Archive.open(archive) as opened:
             return cls(model, opened.inputs, **transport)
 
-    def score(self, items: Sequence[Item], context: Sequence[float] | None = None) -> np.ndarray:
+    def score(
+        self,
+        items: Sequence[Item],
+        context: Sequence[float] | None = None,
+        context_sparse: Mapping[str, Sequence[int]] | None = None,
+    ) -> np.ndarray:
         """Click probabilities of ``items``, in order; ``context``: the request's context row, for
-        a model that takes one."""
-        outputs = self._send(self.tensors(items, context))
+        a model that takes one; ``context_sparse``: its per-request ids (e.g. ``{"history": [...]}``)."""
+        outputs = self._send(self.tensors(items, context, context_sparse))
         return outputs["scores"]
 
     def rank(self, context: Any, candidates: Sequence[Item]) -> Ranking:
@@ -98,7 +103,12 @@ class ScoringClient:
             scores = self.score(merged)
         return Ranking(order=np.argsort(-scores, kind="stable"), scores=scores)
 
-    def tensors(self, items: Sequence[Item], context: Sequence[float] | None = None) -> dict[str, np.ndarray]:
+    def tensors(
+        self,
+        items: Sequence[Item],
+        context: Sequence[float] | None = None,
+        context_sparse: Mapping[str, Sequence[int]] | None = None,
+    ) -> dict[str, np.ndarray]:
         """The model's inputs for ``items`` as named arrays, laid out as its batch tags say."""
         schema = self.schema
         features = schema.feature_names
@@ -122,6 +132,11 @@ class ScoringClient:
             if context is None:
                 raise ValueError(f"this model takes a context row of {schema.context_features} numbers")
             arrays[schema.context.name] = np.asarray([context], dtype=np.float32)
+        if schema.context_jagged is not None:  # per-request ids: lengths [F', 1], then the values
+            sequences = [list((context_sparse or {}).get(f.name, [])) for f in schema.context_sparse]
+            name = schema.context_jagged.name
+            arrays[f"{name}.lengths"] = np.asarray([[len(s)] for s in sequences], dtype=np.int64)
+            arrays[f"{name}.values"] = np.asarray([i for s in sequences for i in s], dtype=np.int64)
         return arrays
 
     def close(self) -> None:

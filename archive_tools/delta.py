@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from archive_tools.export import package_constant
 from handlers.modeling.checkpoint import read_checkpoint
+from handlers.modeling.embedding_modules import table_weights
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
 from handlers.modeling.spec import ModelSpec
@@ -192,8 +193,7 @@ def _from_checkpoint(base: _Base, checkpoint: Path) -> Iterator[tuple[TableLayou
     factory = DLRMFactory(base.spec)
     model = factory.float_model(seed=0)
     factory.load_checkpoint(model, read_checkpoint(checkpoint))
-    weights = {name.rsplit(".", 1)[0].rsplit(".", 1)[-1]: p for name, p in model.named_parameters()
-               if ".embedding_bags." in name}
+    weights = table_weights(model)
     with tqdm(total=sum(t.rows for t in base.layout.tables), desc="delta", unit="row", unit_scale=True) as bar:
         for table in base.layout.tables:
             old = table_rows(base.buffers[table.buffer], table)

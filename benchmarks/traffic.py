@@ -105,7 +105,9 @@ class Traffic:
         bodies, lengths = [], []
         for body in self.bodies:
             request = orjson.loads(body)
-            body, length = encode_request(client.tensors(request["items"], request.get("context")))
+            body, length = encode_request(
+                client.tensors(request["items"], request.get("context"), request.get("context_sparse"))
+            )
             bodies.append(body)
             lengths.append(length)
         return Traffic(bodies, list(self.items), lengths)

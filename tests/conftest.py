@@ -23,6 +23,7 @@ RANKER_SPEC = MODELS / "ranker.yaml"
 # by the capacity they measured at their start.
 SLOWEST_FIRST = (
     "tests/archive_tools/test_export.py",
+    "tests/integration/test_user_models.py",
     "tests/archive_tools/test_dense_delta.py",
     "tests/handlers/modeling/test_dlrm_dcn.py",
     "tests/bench/test_reliability.py",

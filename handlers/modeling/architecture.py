@@ -135,9 +135,10 @@ class Architecture(abc.ABC):
         if self.context_features(spec):
             request["context"] = rng.normal(size=self.context_features(spec)).round(4).tolist()
         if schema.context_sparse:
+            longest = [min(4 * max_bag, f.max_length or 4 * max_bag) for f in schema.context_sparse]
             request["context_sparse"] = {
-                f.name: rng.integers(0, f.rows, size=int(rng.integers(0, min(4 * max_bag, f.max_length or 4 * max_bag) + 1))).tolist()
-                for f in schema.context_sparse
+                f.name: rng.integers(0, f.rows, size=int(rng.integers(0, cap + 1))).tolist()
+                for f, cap in zip(schema.context_sparse, longest)
             }
         if return_logits:
             request["return_logits"] = True

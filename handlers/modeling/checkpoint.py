@@ -83,7 +83,9 @@ def load_checkpoint(
     return f"stripped the prefix {detected!r} of {WRAPPER_PREFIXES[detected]}'s wrapper"
 
 
-def _wrapper_prefix(state_dict: dict[str, torch.Tensor], expected: set[str], skip: tuple[str, ...] | None) -> str | None:
+def _wrapper_prefix(
+    state_dict: dict[str, torch.Tensor], expected: set[str], skip: tuple[str, ...] | None
+) -> str | None:
     def kept(names: set[str]) -> set[str]:
         return {n for n in names if skip is None or not n.startswith(skip)}
 

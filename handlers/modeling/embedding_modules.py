@@ -174,8 +174,8 @@ def check_collections(collections: list[Collection], spec: ModelSpec) -> None:
             if tuple(config.feature_names) != table.features:
                 raise SpecError(f"{where}: features {config.feature_names}, the spec says {list(table.features)}")
             if collection.pooled == (table.pooling == Pooling.NONE):
-                module = "an EmbeddingBagCollection (pooled)" if collection.pooled else "an EmbeddingCollection (unpooled)"
-                raise SpecError(f"{where}: in {module}, the spec's pooling is {table.pooling.value}")
+                kind = "EmbeddingBagCollection (pooled)" if collection.pooled else "EmbeddingCollection (unpooled)"
+                raise SpecError(f"{where}: in an {kind}, the spec's pooling is {table.pooling.value}")
     missing = [n for n in by_name if n not in seen]
     if missing:
         raise SpecError(f"tables: {missing} are in the spec but in none of the model's embedding collections")
@@ -211,6 +211,16 @@ def quantize_in_place(model: nn.Module, spec: ModelSpec, device: torch.device) -
             _replace(model, collection.path, module)
             quantized.append(Collection(collection.path, module, collection.tables))
     return quantized
+
+
+def table_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each table's float weight [rows, dim] in a float model, by table name, wherever it lies."""
+    weights = {}
+    for collection in find_collections(model):
+        module = collection.module
+        per_table = module.embedding_bags if collection.pooled else module.embeddings
+        weights.update({name: per_table[name].weight for name in collection.tables})
+    return weights
 
 
 _SHARDED = (ShardedQuantEmbeddingBagCollection, ShardedQuantEmbeddingCollection)

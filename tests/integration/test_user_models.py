@@ -1,121 +1,101 @@
-"""A user's own models through the real TorchServe: the DIN example package (installed, as a
-user installs theirs; trained by its own script) served eager and AOT-compiled, and a user's
-architecture from a folder the server's Python cannot import, served from an eager archive (which
-carries its code) and from an exported graph (which needs none).
+"""A user's own model through the real TorchServe: the DIN example package (installed, as a user
+installs theirs; trained by its own script) built eager and AOT-compiled, and served by a server
+whose Python cannot import that package (a shadowing ``din_ranker`` that refuses to import comes
+first on its path): the compiled archive needs no code, the eager one runs the copy it carries.
 
-Requests carry a 200-item history once and 100 candidates; served scores equal the float model's
-(inputs made with TorchRec's KeyedJaggedTensor, not the serving decoder) within the quantization
-tolerance, and concurrent requests coalesced into shared forwards score exactly as alone.
+Requests carry a history of up to 500 items once and 100 candidates; served scores equal the float
+model's (inputs made with TorchRec's KeyedJaggedTensor, not the serving decoder) within the
+quantization tolerance, concurrent requests coalesced into shared forwards score exactly as alone,
+and a row delta of the sequence table serves what a fresh build serves, then rolls back.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import yaml
 
+import din_ranker
 from archive_tools.build import build_archive
+from archive_tools.delta import DeltaSource, make_delta
 from archive_tools.local_server import LocalTorchServe
 from archive_tools.model_config import ServingConfig
 from handlers.modeling.checkpoint import read_checkpoint
+from handlers.modeling.eager import eager_service
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.registry import load_spec, synthetic_request
+from handlers.modeling.registry import load_spec
 from handlers.runtime.archive_files import ARCHITECTURE, CODE
 from handlers.runtime.artifacts import Artifact
-from tests.handlers.modeling.user_architecture import USER_MODULE, USER_SPEC
 from tests.helpers import QUANTIZATION_TOLERANCE
 
 from din_ranker.data import to_batch, user_request  # isort: skip
-from din_ranker.train import SPEC as DIN_SPEC  # isort: skip
+from din_ranker.train import SPEC as DIN_SPEC, train  # isort: skip
 
 pytestmark = pytest.mark.integration
 
 SERVING = ServingConfig(batch_size=8, max_batch_delay_ms=100)
-USER_PACKAGE = "towers_of_a_user"
+PACKAGE = Path(din_ranker.__file__).parent
 
 
 @pytest.fixture(scope="module")
 def din_checkpoint(tmp_path_factory) -> Path:
-    """The example's own training script, run as its README says (a few steps)."""
+    """The example's own training script (a few steps)."""
     out = tmp_path_factory.mktemp("din") / "din.pt"
-    done = subprocess.run(
-        [sys.executable, "-m", "din_ranker.train", "--steps", "40", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "held-out AUC" in done.stdout
+    auc = train(DIN_SPEC, steps=30, out=out)
+    assert auc > 0.6, f"30 steps on synthetic users should learn something, held-out AUC {auc:.3f}"
     return out
 
 
 @pytest.fixture(scope="module")
-def user_spec_file(tmp_path_factory) -> Path:
-    """The user's package in a folder of its own, importable by this process only."""
-    folder = tmp_path_factory.mktemp("users_code")
-    (folder / USER_PACKAGE).mkdir()
-    (folder / USER_PACKAGE / "__init__.py").write_text("")
-    (folder / USER_PACKAGE / "model.py").write_text(USER_MODULE)
-    sys.path.insert(0, str(folder))
-    spec = folder / "two_tower.yaml"
-    spec.write_text(yaml.safe_dump({**USER_SPEC, "architecture": f"{USER_PACKAGE}.model:TwoTowerArchitecture"}))
-    yield spec
-    sys.path.remove(str(folder))
-
-
-@pytest.fixture(scope="module")
-def archives(tmp_path_factory, din_checkpoint, user_spec_file) -> dict[str, Path]:
+def archives(tmp_path_factory, din_checkpoint) -> dict[str, Path]:
     store = tmp_path_factory.mktemp("archives") / "model_store"
-    builds = {
-        "din_eager": (DIN_SPEC, din_checkpoint, Artifact.EAGER),
-        "din_aoti": (DIN_SPEC, din_checkpoint, Artifact.AOTI),
-        "towers_eager": (user_spec_file, None, Artifact.EAGER),
-        "towers_exported": (user_spec_file, None, Artifact.EXPORTED),
-    }
     return {
-        name: build_archive(spec, checkpoint=checkpoint, seed=0, name=name, version="1.0", model_store=store,
+        name: build_archive(DIN_SPEC, checkpoint=din_checkpoint, seed=0, name=name, version="1.0", model_store=store,
                             serving=SERVING, artifact=artifact, archive_format="no-archive")
-        for name, (spec, checkpoint, artifact) in builds.items()
+        for name, artifact in (("din_eager", Artifact.EAGER), ("din_aoti", Artifact.AOTI))
     }
 
 
 @pytest.fixture(scope="module")
-def server(archives):
-    with LocalTorchServe(model_store=next(iter(archives.values())).parent) as server:
+def no_package_env(tmp_path_factory) -> dict[str, str]:
+    """An environment whose Python finds a ``din_ranker`` that refuses to import before the installed one."""
+    shadow = tmp_path_factory.mktemp("shadow")
+    (shadow / "din_ranker").mkdir()
+    (shadow / "din_ranker" / "__init__.py").write_text("raise ImportError('the server must not import din_ranker')\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(shadow), os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture(scope="module")
+def server(archives, no_package_env):
+    with LocalTorchServe(model_store=next(iter(archives.values())).parent, env=no_package_env) as server:
         for name in archives:
             response = server.register(name, initial_workers=1)
             assert response.status_code == 200, f"{name}: {response.text}"
         yield server
 
 
-def test_an_eager_archive_carries_the_users_package_and_a_graph_archive_does_not(archives):
-    eager, graph = archives["towers_eager"], archives["towers_exported"]
-    assert (eager / CODE / USER_PACKAGE / "model.py").read_text() == USER_MODULE
-    assert not (graph / CODE).exists()
-    record = json.loads((eager / ARCHITECTURE).read_text())
-    assert record["contract_version"] == 1 and record["package"] == USER_PACKAGE
-    server_python = subprocess.run(  # the server's interpreter, as TorchServe starts its workers
-        [sys.executable, "-c", f"import {USER_PACKAGE}"], capture_output=True, text=True
+def test_the_servers_python_cannot_import_the_package(no_package_env):
+    python = subprocess.run(
+        [sys.executable, "-c", "import din_ranker"], capture_output=True, text=True, env={**os.environ, **no_package_env}
     )
-    assert server_python.returncode != 0, "the user's package must not be importable outside this process"
+    assert python.returncode != 0 and "the server must not import din_ranker" in python.stderr
 
 
-@pytest.mark.parametrize("model", ["towers_eager", "towers_exported"])
-def test_a_users_architecture_serves_without_its_package_installed(server, model, user_spec_file):
-    spec = load_spec(user_spec_file)
-    float_model = DLRMFactory(spec).float_model(seed=0)
-    request = synthetic_request(spec, 12, seed=3)
-    response = server.predict(model, request)
-    assert response.status_code == 200, response.text
-    from tests.helpers import float_scores
-
-    expected = float_scores(float_model, spec, request)
-    torch.testing.assert_close(torch.tensor(response.json()["scores"]), expected, atol=QUANTIZATION_TOLERANCE, rtol=0)
+def test_the_eager_archive_carries_the_package_and_the_compiled_one_does_not(archives):
+    eager, compiled = archives["din_eager"], archives["din_aoti"]
+    assert (eager / CODE / "din_ranker" / "model.py").read_bytes() == (PACKAGE / "model.py").read_bytes()
+    assert not (compiled / CODE).exists()
+    for archive, package in ((eager, "din_ranker"), (compiled, None)):
+        record = json.loads((archive / ARCHITECTURE).read_text())
+        assert (record["architecture"], record["contract_version"], record["package"]) == ("din", 1, package)
 
 
 def _din_float(din_checkpoint):
@@ -154,3 +134,57 @@ def test_a_history_over_its_limit_or_out_of_range_is_a_400_naming_the_feature(se
     response = server.predict("din_aoti", request)
     assert response.status_code == 400
     assert "context_sparse.history[1]: id 20000 is outside the table's 20000 rows" in response.text
+
+
+def _moved(checkpoint: Path) -> Path:
+    """``checkpoint`` with 40% of its item table's rows moved (more training, in short)."""
+    state = torch.load(checkpoint, weights_only=True)
+    generator = torch.Generator().manual_seed(5)
+    rows = state["item_embeddings.embeddings.t_item.weight"]
+    touched = torch.rand(rows.shape[0], generator=generator) < 0.4
+    rows[touched] += 0.1 * torch.randn(rows[touched].shape, generator=generator)
+    torch.save(state, checkpoint.with_name("din-moved.pt"))
+    return checkpoint.with_name("din-moved.pt")
+
+
+@pytest.fixture(scope="module")
+def moved(din_checkpoint):
+    """A checkpoint whose item table moved, and what a fresh build of it serves (the build's
+    quantization, in process)."""
+    checkpoint = _moved(din_checkpoint)
+    factory = DLRMFactory(load_spec(DIN_SPEC))
+    float_model = factory.float_model(seed=0)
+    factory.load_checkpoint(float_model, read_checkpoint(checkpoint))
+    return checkpoint, eager_service(factory.spec, factory.inference_model(factory.quantize(float_model)))
+
+
+@pytest.mark.parametrize("model", ["din_eager", "din_aoti"])
+def test_a_row_delta_of_the_sequence_table_serves_what_a_fresh_build_serves_and_rolls_back(
+    server, archives, model, moved
+):
+    checkpoint, fresh = moved
+    deltas = archives[model].parent / "deltas"
+    deltas.mkdir(exist_ok=True)
+    summary = make_delta(archives[model], DeltaSource(checkpoint=checkpoint), deltas / f"{model}-1.delta", sequence=1)
+    assert set(summary.rows_by_table) == {"t_item"} and summary.rows_by_table["t_item"] > 1000
+    request = user_request(np.random.default_rng(11), 300, 100)[0]
+    before = server.predict(model, request).json()["scores"]
+    published = server.management("POST", f"/freshness/{model}", params={"delta": f"{model}-1.delta"})
+    assert published.status_code == 200, published.text
+    _wait_applied(server, model, 1)
+    expected = json.loads(fresh.handle([json.dumps(request).encode()]).responses[0].body)["scores"]
+    assert server.predict(model, request).json()["scores"] == pytest.approx(expected, abs=1e-6)
+    assert server.management("POST", f"/freshness/{model}", params={"rollback_to": 0}).status_code == 200
+    _wait_applied(server, model, 0, rolled_back=True)
+    assert server.predict(model, request).json()["scores"] == pytest.approx(before, abs=1e-6)
+
+
+def _wait_applied(server, model: str, sequence: int, rolled_back: bool = False, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = server.management("GET", f"/freshness/{model}").json()
+        done = state["applied_sequence"] == sequence and (not rolled_back or state.get("rolling_back_to") is None)
+        if done:
+            return
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)

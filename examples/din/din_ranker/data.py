@@ -1,5 +1,6 @@
-"""Synthetic users for the DIN example: each likes a few categories, its history is items of those
-categories (oldest first), and it clicks a candidate of a liked category far more often.
+"""Synthetic users for the DIN example: a history of items drawn by popularity (oldest first),
+and candidates of which half come from the history; a user clicks 90% of the candidates it
+engaged with before and 5% of the others. Each item's category is ``item % 200``.
 
     python -m din_ranker.data --history 200 --candidates 100 > request.json   # one scoring request
 """
@@ -17,7 +18,7 @@ import torch
 from torchrec import KeyedJaggedTensor  # isort: skip
 
 ITEMS, CATEGORIES, DENSE = 20_000, 200, 4
-LIKED = 3  # categories a user likes
+ZIPF = 1.3  # item popularity's exponent
 
 
 def category_of(items: np.ndarray) -> np.ndarray:
@@ -35,13 +36,20 @@ class Batch:
     labels: torch.Tensor  # [N]
 
 
+def _popular(rng: np.random.Generator, count: int) -> np.ndarray:
+    """``count`` items by popularity: Zipf-distributed ranks, scattered over the table."""
+    ranks = (rng.zipf(ZIPF, size=count) - 1) % ITEMS
+    return (ranks * 7919) % ITEMS  # 7919 is prime: rank -> item is one to one
+
+
 def user_request(rng: np.random.Generator, history: int, candidates: int) -> tuple[dict, np.ndarray]:
     """One request (the JSON the server takes) and its candidates' click labels."""
-    liked = rng.choice(CATEGORIES, size=LIKED, replace=False)
-    seen = rng.choice(liked, size=history) + CATEGORIES * rng.integers(0, ITEMS // CATEGORIES, size=history)
-    items = rng.integers(0, ITEMS, size=candidates)
-    in_liked = np.isin(category_of(items), liked)
-    labels = (rng.random(candidates) < np.where(in_liked, 0.9, 0.1)).astype(np.float32)
+    seen = _popular(rng, history)
+    items = _popular(rng, candidates)
+    if history:  # half the candidates are items the user engaged with before
+        again = rng.random(candidates) < 0.5
+        items[again] = rng.choice(seen, size=int(again.sum()))
+    labels = (rng.random(candidates) < np.where(np.isin(items, seen), 0.9, 0.05)).astype(np.float32)
     request = {
         "items": [
             {"dense": rng.normal(size=DENSE).round(4).tolist(),

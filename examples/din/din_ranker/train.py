@@ -25,7 +25,7 @@ def train(spec_path: Path, steps: int, out: Path, seed: int = 0, requests_per_st
     5 to 100 items); saves the state dict to ``out`` and returns the held-out AUC."""
     spec = load_spec(spec_path)
     model = DLRMFactory(spec).float_model(seed=seed).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     rng = np.random.default_rng(seed)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     progress = tqdm(range(steps), desc="train", unit="step")

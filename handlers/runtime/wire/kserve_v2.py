@@ -18,7 +18,8 @@ The model's inputs are named tensors, laid out as the batch tags lay them out (`
 
 ``weights`` only for a model with weighted ids (optional: 1), ``context_features`` only for a model
 with a context input, ``<ids>.lengths`` and ``.values`` (``<ids>``: the input's name, e.g.
-``history``) only for one that takes ids once per request, its F' features' sequences. JSON ``data`` is row-major, flat or nested. An embedding shard of a
+``history``) only for one that takes ids once per request, its F' features' sequences. JSON
+``data`` is row-major, flat or nested. An embedding shard of a
 distributed layout takes only the ids and answers ``embeddings``, FP32 [n, W]: each item's pooled
 embeddings, feature after feature. With ``sparse_features.bags`` (INT64 [F]: feature f's bags are
 its first bags_f items; the items after them must be empty) it answers only those, FP32

@@ -150,3 +150,20 @@ def test_a_table_the_model_shapes_unlike_the_spec_is_named(user_module):
     spec = _spec(f"{user_module(source)}:TwoTowerArchitecture")
     with pytest.raises(SpecError, match=r"item_bags: table t_item: 499 rows x dim 8, the spec says 500 x 8"):
         DLRMFactory(spec).float_model(seed=0)
+
+
+def test_the_sequence_table_is_served_quantized_not_left_in_float():
+    """TorchRec's quantize_embeddings leaves an EmbeddingCollection in float unless told; the
+    factory quantizes every collection, the unpooled one to its int8 rows too."""
+    from din_ranker.train import SPEC
+
+    from handlers.modeling import tbe
+    from handlers.modeling.registry import load_spec
+
+    spec = load_spec(SPEC)
+    factory = DLRMFactory(spec)
+    served = factory.inference_model(factory.quantize(factory.float_model(seed=0)))
+    kinds = {c.path: type(c.module).__module__ for c in find_collections(served)}
+    assert kinds == {"item_embeddings": "torchrec.quant.embedding_modules", "candidate_side.bags": "torchrec.quant.embedding_modules"}
+    dtypes = {name: sparse_type.value for module in tbe.tbes(served) for name, _, _, sparse_type, *_ in module.embedding_specs}
+    assert dtypes == {"t_item": "int8", "t_category": "int8"}
