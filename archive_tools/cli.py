@@ -201,7 +201,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """TorchServe with our configuration; the archives registered; until Ctrl-C."""
+    """TorchServe with our configuration; the archives registered; until Ctrl-C (or SIGTERM: the
+    server is stopped either way, never left running)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     store = args.model_store.resolve()
     with LocalTorchServe(model_store=store, config=args.config, free_ports=args.free_ports) as server:
         print(f"TorchServe: inference {server.inference_url}, management {server.management_url}, "

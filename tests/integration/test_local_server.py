@@ -1,7 +1,10 @@
 """The local TorchServe harness never leaves a server behind, even when starting it fails."""
 
 import re
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -101,3 +104,23 @@ def test_dev_config_differs_only_in_token_authorization():
     assert {k for k in production if production[k] != dev.get(k)} == {"disable_token_authorization"}
     assert production["disable_token_authorization"] == "false" and dev["disable_token_authorization"] == "true"
     assert set(production) == set(dev)
+
+
+def test_serve_stopped_by_sigterm_stops_its_server(tmp_path):
+    """A process manager stops ``torchrec-serve serve`` with SIGTERM: the server goes with it."""
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "archive_tools", "serve", "--model-store", str(tmp_path), "--free-ports"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        first = serve.stdout.readline()
+        port = int(re.search(r"inference http://127\.0\.0\.1:(\d+)", first).group(1))
+        while "serving" not in serve.stdout.readline():
+            pass
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 143
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    finally:
+        if serve.poll() is None:
+            serve.kill()
