@@ -90,30 +90,23 @@ class EmbeddingTables:
 
 
 def bag_configs(tables: Iterable[TableSpec], with_dtypes: bool = False) -> list[EmbeddingBagConfig]:
-    return [
-        EmbeddingBagConfig(
-            name=t.name,
-            num_embeddings=t.rows,
-            embedding_dim=t.dim,
-            feature_names=list(t.features),
-            pooling=_POOLING[t.pooling],
-            data_type=_TORCHREC_DTYPE[t.weight_dtype] if with_dtypes else DataType.FP32,
-        )
-        for t in tables
-    ]
+    return [EmbeddingBagConfig(**_config(t, with_dtypes), pooling=_POOLING[t.pooling]) for t in tables]
 
 
 def sequence_configs(tables: Iterable[TableSpec], with_dtypes: bool = False) -> list[EmbeddingConfig]:
-    return [
-        EmbeddingConfig(
-            name=t.name,
-            num_embeddings=t.rows,
-            embedding_dim=t.dim,
-            feature_names=list(t.features),
-            data_type=_TORCHREC_DTYPE[t.weight_dtype] if with_dtypes else DataType.FP32,
-        )
-        for t in tables
-    ]
+    return [EmbeddingConfig(**_config(t, with_dtypes)) for t in tables]
+
+
+def _config(table: TableSpec, with_dtypes: bool) -> dict:
+    """What TorchRec's two table configs share: the float model's are fp32, the served ones
+    carry the spec's dtype."""
+    return {
+        "name": table.name,
+        "num_embeddings": table.rows,
+        "embedding_dim": table.dim,
+        "feature_names": list(table.features),
+        "data_type": _TORCHREC_DTYPE[table.weight_dtype] if with_dtypes else DataType.FP32,
+    }
 
 
 @dataclasses.dataclass(frozen=True)
