@@ -9,11 +9,12 @@ compiled with AOTInductor.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
-from archive_tools.export import compile_aoti, export_model
+from archive_tools.export import compile_aoti, export_model, table_constants
 from handlers.modeling.eager import EagerModel, load_eager_model
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import architecture_of, load_spec, synthetic_request
@@ -23,6 +24,7 @@ from handlers.runtime.archive_files import SPEC, WEIGHTS
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.batching import coalesce
 from handlers.runtime.errors import InputError
+from handlers.runtime.freshness.layout import TablesLayout
 from handlers.runtime.split import EMBEDDINGS_INPUT, SplitPlan, dense_tags, sparse_tags
 from handlers.runtime.wire.decoder import RequestDecoder
 
@@ -59,6 +61,7 @@ def capture(staging: Path, artifact: Artifact, split: SplitPlan | None) -> None:
     if split is None:
         program = export_model(eager.module, tags, example, spec.min_requests)
         _save_graph(program, staging, artifact, "model")
+        _name_table_constants(staging, eager.module)
     else:
         sparse, dense = architecture_of(spec).split(eager.module)
         with torch.inference_mode():
@@ -66,6 +69,7 @@ def capture(staging: Path, artifact: Artifact, split: SplitPlan | None) -> None:
         if split.sparse != Artifact.EAGER:
             program = export_model(sparse, sparse_tags(tags), example)
             _save_graph(program, staging, split.sparse, "sparse")
+            _name_table_constants(staging, sparse)
         dense_example = {**example, EMBEDDINGS_INPUT: embeddings}
         program = export_model(dense, dense_tags(tags), dense_example, spec.min_requests)
         _save_graph(program, staging, split.dense, "dense")
@@ -74,6 +78,13 @@ def capture(staging: Path, artifact: Artifact, split: SplitPlan | None) -> None:
         weights.unlink()
     else:
         _keep_only_tables(weights, spec)
+
+
+def _name_table_constants(staging: Path, captured: torch.nn.Module) -> None:
+    """``tables.json`` names the graph's table buffers as its weights file holds them: how a delta
+    and the workers find each table's rows there."""
+    layout = TablesLayout.load(staging)
+    dataclasses.replace(layout, buffer_constants=table_constants(captured)).save(staging)
 
 
 def _keep_only_tables(weights: Path, spec: ModelSpec) -> None:

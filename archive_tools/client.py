@@ -86,11 +86,14 @@ class ScoringClient:
         outputs = self._send(self.tensors(items, context, context_sparse))
         return outputs["scores"]
 
-    def rank(self, context: Any, candidates: Sequence[Item]) -> Ranking:
+    def rank(
+        self, context: Any, candidates: Sequence[Item], context_sparse: Mapping[str, Sequence[int]] | None = None
+    ) -> Ranking:
         """Candidates ordered by score for one context: the context row of a model that takes one,
-        or else an item whose dense row and features each candidate shares where it gives none."""
-        if self.schema.context is not None:
-            scores = self.score(candidates, context)
+        or else an item whose dense row and features each candidate shares where it gives none;
+        ``context_sparse``: the request's per-request ids, for a model that takes them."""
+        if self.schema.context is not None or self.schema.context_jagged is not None:
+            scores = self.score(candidates, context if self.schema.context is not None else None, context_sparse)
         else:
             shared_sparse = context.get("sparse", {})
             merged = [
@@ -132,8 +135,13 @@ class ScoringClient:
             if context is None:
                 raise ValueError(f"this model takes a context row of {schema.context_features} numbers")
             arrays[schema.context.name] = np.asarray([context], dtype=np.float32)
+        given = dict(context_sparse or {})
+        unknown = sorted(set(given) - {f.name for f in schema.context_sparse})
+        if unknown:
+            takes = ", ".join(f.name for f in schema.context_sparse) or "none"
+            raise ValueError(f"context_sparse: {unknown} are not this model's per-request features ({takes})")
         if schema.context_jagged is not None:  # per-request ids: lengths [F', 1], then the values
-            sequences = [list((context_sparse or {}).get(f.name, [])) for f in schema.context_sparse]
+            sequences = [list(given.get(f.name, [])) for f in schema.context_sparse]
             name = schema.context_jagged.name
             arrays[f"{name}.lengths"] = np.asarray([[len(s)] for s in sequences], dtype=np.int64)
             arrays[f"{name}.values"] = np.asarray([i for s in sequences for i in s], dtype=np.int64)

@@ -185,7 +185,7 @@ def _base(path: Path) -> Iterator[_Base]:
         if layout is None:
             why = tables_file_name(archive.options)[1] or f"no {TABLES}; rebuild it with this version"
             raise InputError(f"{path}: cannot take deltas: {why}")
-        buffers = table_buffers(torch.load(archive.tables_file(), mmap=True, weights_only=True), layout.buffer_paths)
+        buffers = table_buffers(torch.load(archive.tables_file(), mmap=True, weights_only=True), layout.buffer_constants)
         yield _Base(archive, load_spec(archive.file(SPEC)), layout, buffers)
 
 

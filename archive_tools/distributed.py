@@ -99,7 +99,7 @@ def build_distributed(
         weights, float_model = served_weights(factory, checkpoint, seed, quantized_init, stages)
         with tempfile.TemporaryDirectory(prefix=f"{name}-distributed-") as tmp:
             whole = Path(tmp) / DENSE_SUFFIX / "extra"  # the single-host staging; the dense part comes from it
-            stage_files(whole, spec, factory, weights)
+            stage_files(whole, spec, factory, weights, carry_code=False)  # the dense host runs graphs only
             del weights
             reference = reference_service(spec, factory, float_model, whole)
             data = validation_data(spec, reference, validation, seed)

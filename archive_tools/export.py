@@ -90,6 +90,12 @@ def export_model(
         )
 
 
+def table_constants(model: nn.Module) -> tuple[str, ...]:
+    """The names ``export_model(model, ...)``'s program gives the model's TBE buffers, in order
+    (``PlainInputs`` holds the model as ``model``)."""
+    return tbe.table_constant_names(model, prefix="model.")
+
+
 def compile_aoti(program: torch.export.ExportedProgram, path: Path) -> Path:
     """AOTInductor: the exported program compiled to a native package (C++ compiler needed), its
     weights beside it (``aoti_weights_file``), by name, to be memory-mapped at load rather than

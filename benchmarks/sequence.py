@@ -7,7 +7,8 @@ to 500 items sent once; served against the in-process ceiling at the batches Tor
 Writes ``benchmarks/results/sequence/sequence.json``: ``items_per_s``, ``p50_ms``, ``p99_ms`` (wrk,
 closed loop), ``ceiling_items_per_s`` (the archive's handler in process at the same batches),
 ``served_vs_ceiling``, ``mean_history_length``, ``max_score_diff_batched_vs_solo`` (each of 32
-requests sent alone, then all at once into shared forwards), ``client`` (wrk's CPU); targets:
+requests sent alone, then all at once into shared forwards: ``batched_requests_per_forward``),
+``client`` (wrk's CPU); targets:
 served at least 0.85 of the ceiling, batched vs solo at most 1e-5. Also ``summary.txt`` and
 ``sequence.png``.
 """
@@ -57,7 +58,7 @@ def run_sequence(name: str, out_dir: Path) -> dict:
         registered.raise_for_status()
         url, auth = f"{server.inference_url}/predictions/din", server.auth("inference")
         progress.set_postfix_str("batched vs solo")
-        max_diff = _batched_vs_solo(server, traffic)
+        max_diff, coalesced = _batched_vs_solo(server, traffic)
         progress.update()
         progress.set_postfix_str(f"closed loop c={concurrency}")
         run_wrk(url, auth, traffic, concurrency, 2.0)  # warm-up
@@ -79,6 +80,7 @@ def run_sequence(name: str, out_dir: Path) -> dict:
         "p99_ms": load.latency_ms["p99"],
         "mean_history_length": float(np.mean(histories)),
         "max_score_diff_batched_vs_solo": max_diff,
+        "batched_requests_per_forward": coalesced,  # during the batched half of that comparison
         "candidates_per_request": CANDIDATES,
         "concurrency": concurrency,
         "batch_size": batch_size,
@@ -119,13 +121,16 @@ def _build(store: Path, batch_size: int) -> Path:
     return store / "din"
 
 
-def _batched_vs_solo(server: LocalTorchServe, traffic: Traffic, count: int = 32) -> float:
-    """Each of ``count`` requests alone, then all at once (coalesced): the largest score change."""
+def _batched_vs_solo(server: LocalTorchServe, traffic: Traffic, count: int = 32) -> tuple[float, float]:
+    """Each of ``count`` requests alone, then all at once: the largest score change, and the
+    requests per forward the second time (more than 1: they were coalesced)."""
     bodies = traffic.bodies[:count]
     solo = [server.predict("din", body).json()["scores"] for body in bodies]
+    before = server.handler_counters("din")
     with ThreadPoolExecutor(max_workers=count) as pool:
         together = list(pool.map(lambda body: server.predict("din", body).json()["scores"], bodies))
-    return float(max(np.abs(np.array(a) - np.array(b)).max() for a, b in zip(solo, together)))
+    formed = server.handler_counters("din").minus(before)
+    return float(max(np.abs(np.array(a) - np.array(b)).max() for a, b in zip(solo, together))), formed.mean_requests_per_batch
 
 
 def _summary(figures: dict) -> str:
@@ -137,7 +142,8 @@ def _summary(figures: dict) -> str:
         f"  served {figures['items_per_s']:,.0f} items/s (p50 {figures['p50_ms']:.1f} ms, p99 {figures['p99_ms']:.1f} ms; "
         f"{figures['formed_requests_per_batch']:.1f} requests per forward; wrk {client['cpu_cores']:.3f} cores)",
         f"  in-process ceiling {figures['ceiling_items_per_s']:,.0f} items/s: served/ceiling {figures['served_vs_ceiling']:.2f}",
-        f"  max |batched - solo| {figures['max_score_diff_batched_vs_solo']:.2e}",
+        f"  max |batched - solo| {figures['max_score_diff_batched_vs_solo']:.2e} "
+        f"({figures['batched_requests_per_forward']:.1f} requests per forward when batched)",
     ]
     lines += [f"  target {'met' if met else 'MISSED'}: {label}" for label, met in figures["targets"].items()]
     return "\n".join(lines) + "\n"

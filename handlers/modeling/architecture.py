@@ -89,6 +89,8 @@ class Architecture(abc.ABC):
         context_jagged input's."""
         tags = self.input_tags(spec)
         features = _features(spec)
+        if [t.kind for t in tags].count(BatchKind.JAGGED) != 1:
+            raise SpecError(f"architecture {spec.architecture}: its inputs must hold one jagged input (the items' ids)")
         item_keys = next(t.keys for t in tags if t.kind == BatchKind.JAGGED)
         context_keys = next((t.keys for t in tags if t.kind == BatchKind.CONTEXT_JAGGED), ())
         unused = [f for f in features if f not in item_keys + context_keys]
@@ -98,18 +100,21 @@ class Architecture(abc.ABC):
                 f"architecture {spec.architecture}: its inputs' keys and the spec's features differ "
                 f"(features no input takes: {unused}; keys no table serves: {unknown})"
             )
-        return InputSchema(
-            model=spec.name,
-            tags=tags,
-            dense_features=spec.dense_features,
-            features=tuple(features[f] for f in item_keys),
-            context_features=self.context_features(spec),
-            weighted_ids=spec.weighted_ids,
-            out_of_range=spec.out_of_range,
-            limits=spec.limits.to_limits(),
-            min_requests=spec.min_requests,
-            context_sparse=tuple(features[f] for f in context_keys),
-        )
+        try:
+            return InputSchema(
+                model=spec.name,
+                tags=tags,
+                dense_features=spec.dense_features,
+                features=tuple(features[f] for f in item_keys),
+                context_features=self.context_features(spec),
+                weighted_ids=spec.weighted_ids,
+                out_of_range=spec.out_of_range,
+                limits=spec.limits.to_limits(),
+                min_requests=spec.min_requests,
+                context_sparse=tuple(features[f] for f in context_keys),
+            )
+        except ValueError as e:  # the runtime's own checks of the declared inputs
+            raise SpecError(f"architecture {spec.architecture}: {e}") from None
 
     def synthetic_request(
         self, spec: Any, num_items: int, seed: int, max_bag: int = 3, return_logits: bool = False

@@ -21,7 +21,7 @@ import orjson
 
 from handlers.modeling.architecture import CONTRACT_VERSION
 from handlers.modeling.errors import SpecError
-from handlers.modeling.registry import registered
+from handlers.modeling.registry import registered, remember
 from handlers.modeling.spec import ModelSpec
 from handlers.runtime.archive_files import ARCHITECTURE, CODE
 
@@ -30,18 +30,22 @@ _SHIPPED_PACKAGE = "handlers"
 
 @dataclasses.dataclass(frozen=True)
 class ArchitectureRecord:
-    """``architecture``: the spec's value; ``module``: where it is defined; ``package``: the
-    top-level package carried in ``code/`` (None: shipped, or a graph archive)."""
+    """``architecture``: the spec's value; ``path``: where it is defined (``module:attribute``),
+    so that a worker finds it by that name without the entry point the build had; ``package``:
+    the top-level package carried in ``code/`` (None: shipped, or a graph archive)."""
 
     architecture: str
     contract_version: int
-    module: str
+    path: str
     package: str | None = None
 
     @classmethod
     def of(cls, spec: ModelSpec) -> "ArchitectureRecord":
-        path = registered().get(spec.architecture, spec.architecture)
-        return cls(spec.architecture, CONTRACT_VERSION, path.partition(":")[0])
+        return cls(spec.architecture, CONTRACT_VERSION, registered().get(spec.architecture, spec.architecture))
+
+    @property
+    def module(self) -> str:
+        return self.path.partition(":")[0]
 
     @property
     def is_users(self) -> bool:
@@ -70,7 +74,8 @@ class ArchitectureRecord:
 
 
 def use_archive_code(model_dir: Path) -> None:
-    """Checks the archive's contract version and puts its carried code first on ``sys.path``."""
+    """Checks the archive's contract version, puts its carried code first on ``sys.path`` and
+    names its architecture where the build found it (installed entry points or not)."""
     path = model_dir / ARCHITECTURE
     if not path.exists():
         return
@@ -83,6 +88,7 @@ def use_archive_code(model_dir: Path) -> None:
     code = str(model_dir / CODE)
     if record.package is not None and code not in sys.path:
         sys.path.insert(0, code)
+    remember(record.architecture, record.path)
 
 
 def _package_source(top: str) -> Path:

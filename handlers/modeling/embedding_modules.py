@@ -169,6 +169,13 @@ def check_collections(collections: list[Collection], spec: ModelSpec) -> None:
             if collection.pooled == (table.pooling == Pooling.NONE):
                 kind = "EmbeddingBagCollection (pooled)" if collection.pooled else "EmbeddingCollection (unpooled)"
                 raise SpecError(f"{where}: in an {kind}, the spec's pooling is {table.pooling.value}")
+            if collection.pooled and config.pooling != _POOLING[table.pooling]:
+                raise SpecError(f"{where}: pooling {config.pooling.name.lower()}, the spec says {table.pooling.value}")
+        if collection.pooled and collection.module.is_weighted() != spec.weighted_ids:
+            raise SpecError(
+                f"{collection.path}: is_weighted={collection.module.is_weighted()}, the spec's weighted_ids is "
+                f"{spec.weighted_ids}"
+            )
     missing = [n for n in by_name if n not in seen]
     if missing:
         raise SpecError(f"tables: {missing} are in the spec but in none of the model's embedding collections")

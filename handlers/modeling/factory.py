@@ -151,7 +151,7 @@ class DLRMFactory:
                 if view.shape[0] > 1 and view.stride(0) != row_bytes:
                     raise ValueError(f"table {name}: rows {view.stride(0)} bytes apart, expected {row_bytes}")
                 tables.append(TableLayout(name, dtypes[name], dim, rows, row_bytes, index, offset))
-        return TablesLayout(fingerprint(buffers, dense), tuple(tables), self.spec.is_sharded, tbe.tbe_paths(model))
+        return TablesLayout(fingerprint(buffers, dense), tuple(tables), self.spec.is_sharded)
 
     def save_weights(self, weights: InferenceWeights, path: str | Path) -> None:
         """``weights.pt``: one flat buffer per TBE, in FBGEMM's layout, plus the dense state."""

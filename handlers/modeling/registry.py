@@ -36,14 +36,21 @@ DEFAULT_ARCHITECTURE = "dlrm"
 ENTRY_POINT_GROUP = "torchrec_serve.architectures"
 
 
+_REMEMBERED: dict[str, str] = {}  # names an archive's architecture.json gave (archive_code)
+
+
 def registered() -> dict[str, str]:
-    """Registered architecture name -> its import path (``module:attribute``)."""
-    return {e.name: e.value for e in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)}
+    """Registered architecture name -> its import path (``module:attribute``): the entry points,
+    and the names archives loaded in this process recorded."""
+    found = {e.name: e.value for e in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)}
+    return {**found, **_REMEMBERED}
 
 
-def architectures() -> dict[str, Architecture]:
-    """Every registered architecture, by name."""
-    return {name: resolve(name) for name in registered()}
+def remember(name: str, path: str) -> None:
+    """``name`` resolves to ``path`` in this process (an archive says where its architecture is)."""
+    if _REMEMBERED.get(name) != path:
+        _REMEMBERED[name] = path
+        resolve.cache_clear()
 
 
 def shipped_architectures() -> dict[str, Architecture]:

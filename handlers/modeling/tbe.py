@@ -71,9 +71,10 @@ def tbes(model: nn.Module) -> list[TBE]:
     return [m for m in model.modules() if isinstance(m, TBE)]
 
 
-def tbe_paths(model: nn.Module) -> tuple[str, ...]:
-    """The module path of each of ``tbes(model)``, in the same order."""
-    return tuple(path for path, m in model.named_modules() if isinstance(m, TBE))
+def table_constant_names(model: nn.Module, prefix: str) -> tuple[str, ...]:
+    """What ``torch.export`` names each of ``tbes(model)``'s table buffers (``name_table_buffers``),
+    in the same order, with the module path ``prefix`` of ``model`` in the captured module."""
+    return tuple(f"{prefix}{path}.weights_host" for path, m in model.named_modules() if isinstance(m, TBE))
 
 
 def attach(tbe: TBE, buffer: torch.Tensor) -> None:

@@ -96,6 +96,7 @@ def test_the_eager_archive_carries_the_package_and_the_compiled_one_does_not(arc
     for archive, package in ((eager, "din_ranker"), (compiled, None)):
         record = json.loads((archive / ARCHITECTURE).read_text())
         assert (record["architecture"], record["contract_version"], record["package"]) == ("din", 1, package)
+        assert record["path"] == "din_ranker.model:ARCHITECTURE"  # found by it where the entry point is not
 
 
 def _din_float(din_checkpoint):
@@ -111,8 +112,11 @@ def test_din_scores_equal_the_float_model_and_batched_equal_solo(server, model, 
     rng = np.random.default_rng(7)
     requests_ = [user_request(rng, history, 100)[0] for history in (200, 0, 57, 500, 1, 200, 120, 33)]
     solo = [server.predict(model, r) for r in requests_]
+    before = server.handler_counters(model)
     with ThreadPoolExecutor(max_workers=len(requests_)) as pool:
         batched = list(pool.map(lambda r: server.predict(model, r), requests_))
+    formed = server.handler_counters(model).minus(before)
+    assert max(formed.batches) > 1, f"TorchServe formed no batch of several requests: {formed}"
     float_model = _din_float(din_checkpoint)
     for request, alone, together in zip(requests_, solo, batched):
         assert alone.status_code == 200 and together.status_code == 200, (alone.text, together.text)

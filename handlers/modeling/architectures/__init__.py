@@ -1,1 +1,1 @@
-"""One module per architecture; ``handlers.modeling.registry`` finds them."""
+"""The shipped architectures, one module each, registered as entry points in ``pyproject.toml``."""

@@ -46,13 +46,14 @@ class TableLayout:
 @dataclasses.dataclass(frozen=True)
 class TablesLayout:
     """``sharded``: the spec shards its tables, so each worker copies them at load (no delta
-    reaches such copies); ``buffer_paths``: each TBE buffer's module path in the served model
-    (``item_embeddings.tbes.0``), how a compiled package's constants name it."""
+    reaches such copies); ``buffer_constants``: for a compiled package, the names of its TBE
+    buffer constants in buffer order (``model.item_embeddings.tbes.0.weights_host``), written at
+    capture; empty where the tables are in ``weights.pt`` (keys ``tbe.0``, ...)."""
 
     fingerprint: str
     tables: tuple[TableLayout, ...]
     sharded: bool = False
-    buffer_paths: tuple[str, ...] = ()
+    buffer_constants: tuple[str, ...] = ()
 
     def table(self, name: str) -> TableLayout | None:
         return next((t for t in self.tables if t.name == name), None)
@@ -61,7 +62,7 @@ class TablesLayout:
         (Path(folder) / TABLES).write_bytes(
             orjson.dumps(
                 {"fingerprint": self.fingerprint, "sharded": self.sharded,
-                 "tables": [dataclasses.asdict(t) for t in self.tables], "buffer_paths": list(self.buffer_paths)},
+                 "tables": [dataclasses.asdict(t) for t in self.tables], "buffer_constants": list(self.buffer_constants)},
                 option=orjson.OPT_INDENT_2,
             )
         )
@@ -71,15 +72,19 @@ class TablesLayout:
         raw = orjson.loads((Path(folder) / TABLES).read_bytes())
         return cls(
             raw["fingerprint"], tuple(TableLayout(**t) for t in raw["tables"]), bool(raw.get("sharded")),
-            tuple(raw.get("buffer_paths", ())),
+            tuple(raw.get("buffer_constants", ())),
         )
 
 
-def table_buffers(weights: Mapping[str, torch.Tensor], buffer_paths: Sequence[str] = ()) -> list[torch.Tensor]:
-    """The TBE buffers of a loaded weights file (weights.pt or a compiled package's), in order:
-    a compiled package's by ``buffer_paths`` (``TablesLayout.buffer_paths``) where given."""
-    if buffer_paths and not any(_WEIGHTS_PT_KEY.match(k) for k in weights):
-        return [_constant_of(weights, path) for path in buffer_paths]
+def table_buffers(weights: Mapping[str, torch.Tensor], constants: Sequence[str] = ()) -> list[torch.Tensor]:
+    """The TBE buffers of a loaded weights file (weights.pt, or a compiled package's), in order: a
+    compiled package's by their constant names where the layout gives them
+    (``TablesLayout.buffer_constants``; archives built before it hold one collection, numbered)."""
+    if constants and not any(_WEIGHTS_PT_KEY.match(k) for k in weights):
+        missing = [name for name in constants if name not in weights]
+        if missing:
+            raise ValueError(f"the weights hold no table constants {missing}")
+        return [weights[name] for name in constants]
     found: dict[int, torch.Tensor] = {}
     for key, tensor in weights.items():
         match = _BUFFER_KEY.search(key)
@@ -88,15 +93,6 @@ def table_buffers(weights: Mapping[str, torch.Tensor], buffer_paths: Sequence[st
     if sorted(found) != list(range(len(found))):
         raise ValueError(f"TBE buffers {sorted(found)} are not numbered 0..{len(found) - 1}")
     return [found[i] for i in range(len(found))]
-
-
-def _constant_of(weights: Mapping[str, torch.Tensor], path: str) -> torch.Tensor:
-    """The one constant named ``...<path>.weights_host`` (export may prefix the wrapper's name)."""
-    suffix = f"{path}.weights_host"
-    found = [t for k, t in weights.items() if k == suffix or k.endswith("." + suffix)]
-    if len(found) != 1:
-        raise ValueError(f"the weights hold {len(found)} constants named like {suffix}, expected 1")
-    return found[0]
 
 
 def fingerprint(buffers: Iterable[torch.Tensor], dense: Mapping[str, torch.Tensor]) -> str:

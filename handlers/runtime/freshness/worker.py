@@ -154,7 +154,7 @@ class WorkerFreshness:
         # up this process's memory calls, the forwards' among them, for a second or more.
         writer = TableWriter(
             self.weights_file,
-            table_buffers(torch.load(self.weights_file, mmap=True, weights_only=True), self.layout.buffer_paths),
+            table_buffers(torch.load(self.weights_file, mmap=True, weights_only=True), self.layout.buffer_constants),
             self.layout,
         )
         self.follower = LogFollower(self.folder, self.layout, writer, self.lock, self.pace)

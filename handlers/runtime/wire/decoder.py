@@ -172,7 +172,9 @@ class RequestDecoder:
                     "missing_field",
                 )
             read = self._read_json(body)
-            refuse_duplicate_keys(payload, len(body) + (read.items.keys if isinstance(read, _Sent) else 0))
+            context_ids = body.get(CONTEXT_SPARSE_KEY)
+            nested = len(context_ids) if isinstance(context_ids, dict) else 0  # its features' keys
+            refuse_duplicate_keys(payload, len(body) + nested + (read.items.keys if isinstance(read, _Sent) else 0))
             return read
         except ServingError as error:
             raise Rejected(error, encoder) from None

@@ -16,7 +16,7 @@ from handlers.modeling.eager import eager_service
 from handlers.modeling.embedding_modules import find_collections
 from handlers.modeling.errors import SpecError
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.registry import parse_spec, synthetic_request
+from handlers.modeling.registry import input_schema, parse_spec, synthetic_request
 from tests.handlers.modeling.user_architecture import USER_MODULE, USER_SPEC
 from tests.helpers import QUANTIZATION_TOLERANCE
 
@@ -167,3 +167,82 @@ def test_the_sequence_table_is_served_quantized_not_left_in_float():
     assert kinds == {"item_embeddings": "torchrec.quant.embedding_modules", "candidate_side.bags": "torchrec.quant.embedding_modules"}
     dtypes = {name: sparse_type.value for module in tbe.tbes(served) for name, _, _, sparse_type, *_ in module.embedding_specs}
     assert dtypes == {"t_item": "int8", "t_category": "int8"}
+
+
+def test_an_eager_archives_worker_finds_the_architecture_without_its_package_or_entry_point(tmp_path, monkeypatch):
+    """What an eager archive carries is enough: a worker whose Python has neither the user's
+    package nor its entry point resolves the spec's registered name through architecture.json."""
+    from handlers.modeling import registry
+    from handlers.modeling.archive_code import ArchitectureRecord, use_archive_code
+
+    source = tmp_path / "src"
+    (source / "towers_pkg").mkdir(parents=True)
+    (source / "towers_pkg" / "__init__.py").write_text("")
+    (source / "towers_pkg" / "model.py").write_text(USER_MODULE)
+    path = "towers_pkg.model:TwoTowerArchitecture"
+    monkeypatch.setattr(registry, "entry_points", lambda group: [_EntryPoint("towers", path)])
+    monkeypatch.syspath_prepend(str(source))
+    spec = _spec("towers")
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    assert "carries towers_pkg" in ArchitectureRecord.of(spec).stage(archive, carry=True)
+    spec.to_yaml(archive / "spec.yaml")
+
+    # the worker's process: no package on its path, no entry point
+    sys.path.remove(str(source))
+    for name in [m for m in sys.modules if m.startswith("towers_pkg")]:
+        del sys.modules[name]
+    monkeypatch.setattr(registry, "entry_points", lambda group: [])
+    monkeypatch.setattr(registry, "_REMEMBERED", {})
+    registry.resolve.cache_clear()
+    with pytest.raises(SpecError, match="'towers' is neither a registered architecture"):
+        registry.load_spec(archive / "spec.yaml")
+    use_archive_code(archive)
+    loaded = registry.load_spec(archive / "spec.yaml")
+    assert loaded.to_dict() == spec.to_dict() and type(loaded).__module__ == "towers_pkg.model"
+    assert sys.modules["towers_pkg.model"].__file__ == str(archive / "code" / "towers_pkg" / "model.py")
+    sys.path.remove(str(archive / "code"))
+    del sys.modules["towers_pkg.model"], sys.modules["towers_pkg"]
+    registry.resolve.cache_clear()
+
+
+class _EntryPoint:
+    def __init__(self, name: str, value: str) -> None:
+        self.name, self.value = name, value
+
+
+_MEAN_ITEM_BAGS = """__import__("torchrec").EmbeddingBagCollection(
+            tables=[
+                __import__("torchrec").EmbeddingBagConfig(name="t_item", num_embeddings=500, embedding_dim=8,
+                    feature_names=["item"], pooling=__import__("torchrec").PoolingType.MEAN),
+                __import__("torchrec").EmbeddingBagConfig(name="t_cat", num_embeddings=40, embedding_dim=4,
+                    feature_names=["cat"]),
+            ],
+            device=tables.device,
+        )"""
+_UNWEIGHTED_USER_BAGS = (
+    '__import__("torchrec").EmbeddingBagCollection(tables=tables.bags("t_user").embedding_bag_configs(), '
+    "is_weighted=False, device=tables.device)"
+)
+
+
+def test_a_collection_pooled_or_weighted_unlike_the_spec_is_named(user_module):
+    mean = USER_MODULE.replace('tables.bags("t_item", "t_cat")', _MEAN_ITEM_BAGS)
+    spec = _spec(f"{user_module(mean)}:TwoTowerArchitecture")
+    with pytest.raises(SpecError, match="item_bags: table t_item: pooling mean, the spec says sum"):
+        DLRMFactory(spec).float_model(seed=0)
+    unweighted = USER_MODULE.replace('tables.bags("t_user")', _UNWEIGHTED_USER_BAGS)
+    spec = _spec(f"{user_module(unweighted)}:TwoTowerArchitecture", weighted_ids=True)
+    with pytest.raises(SpecError, match="user_side.embeddings: is_weighted=False, the spec's weighted_ids is True"):
+        DLRMFactory(spec).float_model(seed=0)
+
+
+def test_inputs_the_runtime_cannot_batch_are_a_spec_error_naming_the_architecture(user_module):
+    source = USER_MODULE.replace(
+        "return per_item_tags(spec)",
+        "from handlers.runtime.inputs import BatchKind, InputTag\n"
+        "        return per_item_tags(spec) + (InputTag('history', BatchKind.CONTEXT_JAGGED, keys=()),)",
+    )
+    spec = _spec(f"{user_module(source)}:TwoTowerArchitecture")
+    with pytest.raises(SpecError, match=r"TwoTowerArchitecture: inputs: a context_jagged input needs an item_counts"):
+        input_schema(spec)  # what the build asks first (the inputs.json it stages)

@@ -101,3 +101,25 @@ def test_sharding_leaves_torchrecs_device_setting_as_it_was(tiny_spec, tiny_weig
     reference = DLRMFactory(unsharded).inference_model(DLRMFactory(unsharded).quantize(DLRMFactory(unsharded).float_model(seed=0)))
     inputs = model_inputs(spec, [items_request(spec, 4, seed=1), items_request(spec, 3, seed=2)])
     torch.testing.assert_close(forward(model, spec, inputs), forward(reference, unsharded, inputs), rtol=0, atol=0)
+
+
+def test_a_quantized_embedding_collection_keeps_its_tbes_and_per_table_weight_views(tmp_path):
+    """refresh_table_views and drop_table_views rely on TorchRec's quantized EmbeddingCollection
+    holding its TBEs in ``tbes`` and a ``weight`` view per table in ``embeddings[name]`` (as its
+    EmbeddingBagCollection does in ``embedding_bags``); attached rows must show in those views."""
+    from din_ranker.train import SPEC
+
+    from handlers.modeling.registry import load_spec
+    from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
+
+    factory = DLRMFactory(load_spec(SPEC))
+    factory.save_weights(factory.random_weights(seed=0), tmp_path / "weights.pt")
+    model = factory.inference_model(factory.load_weights(tmp_path / "weights.pt"))
+    collection = model.item_embeddings
+    assert isinstance(collection, QuantEmbeddingCollection)
+    assert list(collection.tbes) == tbe.tbes(collection), "TorchRec moved the EC's TBEs out of .tbes"
+    view = collection.embeddings["t_item"].weight
+    rows = collection.tbes[0].split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)[0][0]
+    assert view.data_ptr() == rows.data_ptr(), "the table's weight view no longer shows the attached rows"
+    tbe.drop_table_views(model)
+    assert "weight" not in dict(collection.embeddings["t_item"].named_buffers(recurse=False))

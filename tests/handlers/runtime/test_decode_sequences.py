@@ -123,3 +123,16 @@ def test_a_candidate_sequence_is_capped_per_item_and_a_category_bag_per_bag():
     request["items"][0]["sparse"]["category"] = [1] * 257
     with pytest.raises(BadRequest, match="257 ids exceed the limit of 256 per bag"):
         _decode(request)
+
+
+def test_a_history_given_twice_is_named_and_a_well_formed_body_skips_the_slow_check(monkeypatch):
+    body = orjson.dumps(_request(history=2)).decode()
+    twice = body.replace('"context_sparse":{"history":', '"context_sparse":{"history":[1],"history":')
+    with pytest.raises(BadRequest, match="history: given twice in one JSON object"):
+        _decode(twice.encode())
+
+    def slow(*args, **kwargs):
+        raise AssertionError("a body without repeated keys went through the slow duplicate-key parse")
+
+    monkeypatch.setattr("handlers.runtime.wire.json_values.json.loads", slow)
+    assert _decode(body.encode()).inputs.num_items == 3

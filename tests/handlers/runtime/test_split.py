@@ -13,11 +13,13 @@ import torch
 
 from archive_tools.capture import capture
 from handlers.loading import load_service
+from handlers.modeling import tbe
 from handlers.modeling.eager import EagerModel, eager_service
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import architecture_of, input_schema
 from handlers.runtime.artifacts import Artifact
-from handlers.runtime.archive_files import INPUTS
+from handlers.runtime.archive_files import INPUTS, TABLES
+from handlers.runtime.freshness.layout import TablesLayout
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.service import ScoringService
 from handlers.runtime.split import SplitModel, SplitPlan, dense_tags, sparse_tags
@@ -34,11 +36,13 @@ def model(request, tiny_spec, tiny_weights, ranker_spec, ranker_weights):
 
 
 def _stage(folder: Path, spec, weights) -> Path:
-    """An archive's staging folder before capture: spec and weights, as the build writes them."""
+    """An archive's staging folder before capture: spec, weights and where the tables lie, as the
+    build writes them."""
     folder.mkdir(parents=True, exist_ok=True)
     spec.to_yaml(folder / "spec.yaml")
     input_schema(spec).save(folder / INPUTS)
     DLRMFactory(spec).save_weights(weights, folder / "weights.pt")
+    DLRMFactory(spec).tables_layout(folder / "weights.pt").save(folder)
     return folder
 
 
@@ -70,7 +74,7 @@ def test_captured_parts_score_like_eager(model, plan, tmp_path):
     staging = _stage(tmp_path, spec, weights)
     capture(staging, Artifact.SPLIT, plan)
     kept = {p.name for p in staging.iterdir()}
-    assert kept == {"spec.yaml", INPUTS, *plan.files}
+    assert kept == {"spec.yaml", INPUTS, TABLES, *plan.files}
     served = load_service(staging, HandlerOptions(Artifact.SPLIT, plan))
     for sizes in SIZES:
         requests = _requests(spec, eager, sizes, seed=11)
@@ -84,7 +88,7 @@ def test_dense_part_compiled_alone_scores_like_eager(tiny_spec, tiny_weights, tm
     plan = SplitPlan(sparse=Artifact.EXPORTED, dense=Artifact.AOTI)
     staging = _stage(tmp_path, tiny_spec, tiny_weights)
     capture(staging, Artifact.SPLIT, plan)
-    assert {p.name for p in staging.iterdir()} == {"spec.yaml", INPUTS, *plan.files}
+    assert {p.name for p in staging.iterdir()} == {"spec.yaml", INPUTS, TABLES, *plan.files}
     assert plan.files == ["sparse.pt2", "dense_aoti.pt2", "dense_aoti_weights.pt"]
     served = load_service(staging, HandlerOptions(Artifact.SPLIT, plan))
     for sizes in ((1,), (64, 3)):
@@ -106,6 +110,11 @@ def test_each_part_stores_only_its_own_weights(tiny_spec, tiny_weights, tmp_path
     sparse_data, dense_data = (_tensor_bytes(staging / f"{part}.pt2") for part in ("sparse", "dense"))
     assert table_bytes <= sparse_data <= 1.1 * table_bytes + 4096, (sparse_data, table_bytes)
     assert dense_bytes <= dense_data <= 1.1 * dense_bytes + 4096, (dense_data, dense_bytes)
+    # tables.json names the sparse graph's table buffers as the graph does (how deltas find them)
+    program = torch.export.load(str(staging / "sparse.pt2"))
+    constants = TablesLayout.load(staging).buffer_constants
+    assert len(constants) == len(tbe.tbes(factory.lookups(tiny_weights))) > 0
+    assert set(constants) <= set(program.constants) | set(program.state_dict), constants
 
     eager_lookups = _stage(tmp_path / "eager", tiny_spec, tiny_weights)
     capture(eager_lookups, Artifact.SPLIT, SplitPlan(Artifact.EAGER, Artifact.EXPORTED))
