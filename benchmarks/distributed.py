@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -44,6 +42,7 @@ from tqdm import tqdm  # noqa: E402
 
 from archive_tools.launcher import HostGroup, LayoutFile, LocalLayout  # noqa: E402
 from archive_tools.local_server import LocalTorchServe  # noqa: E402
+from benchmarks.building import build  # noqa: E402
 from benchmarks.load import BackgroundLoad, run_closed_loop  # noqa: E402
 from benchmarks.wrk import run_wrk  # noqa: E402
 from benchmarks.memory import worker_memory  # noqa: E402
@@ -237,11 +236,7 @@ def _stage_ms(server: LocalTorchServe, model: str) -> float:
 
 
 def _build(spec_path: Path, store: Path, args: tuple[str, ...]) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "archive_tools", "build", "--spec", str(spec_path), "--seed", "0",
-         "--model-store", str(store), *args],
-        check=True,
-    )
+    build(spec_path, store, "--seed", "0", *args)
 
 
 def _measure(server: LocalTorchServe, model: str, traffic: Traffic, duration_s: float) -> dict:

@@ -51,8 +51,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -67,6 +65,7 @@ from tqdm import tqdm  # noqa: E402
 
 from archive_tools.delta import DeltaSource, make_delta  # noqa: E402
 from archive_tools.local_server import LocalTorchServe  # noqa: E402
+from benchmarks.building import build  # noqa: E402
 from benchmarks.load import BackgroundLoad, run_closed_loop  # noqa: E402
 from benchmarks.disruptions import ok  # noqa: E402
 from benchmarks.freshness_figures import Timeline, measured, plot, summary  # noqa: E402
@@ -232,11 +231,7 @@ def _new_version(server: LocalTorchServe, name: str, archive: Path, scenario: Fr
 
 
 def _build(scenario: FreshnessScenario, store: Path) -> Path:
-    subprocess.run(
-        [sys.executable, "-m", "archive_tools", "build", "--spec", str(scenario.spec), "--seed", "0",
-         "--model-store", str(store), *scenario.build_args],
-        check=True,
-    )
+    build(scenario.spec, store, "--seed", "0", *scenario.build_args)
     (archive,) = [p for p in store.iterdir() if p.is_dir()]
     return archive
 

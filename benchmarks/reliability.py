@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -52,6 +50,7 @@ import requests
 from tqdm import tqdm
 
 from archive_tools.local_server import LocalTorchServe
+from benchmarks.building import build
 from benchmarks.disruptions import failed, hang_worker, kill_worker, ok, overload, scale_down_trials, version_swap
 from benchmarks.fuzz import fuzz_cases
 from benchmarks.load import BackgroundLoad, LoadResult, run_closed_loop, run_open_loop
@@ -325,11 +324,7 @@ def _token_expiry(store: Path, name: str, traffic: Traffic, lifetimes: int) -> d
 
 
 def _build(scenario: ReliabilityScenario, store: Path, version: str) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "archive_tools", "build", "--spec", str(scenario.spec), "--seed", "0",
-         "--version", version, "--model-store", str(store), *scenario.build_args],
-        check=True,
-    )
+    build(scenario.spec, store, "--seed", "0", "--version", version, *scenario.build_args)
 
 
 def _server_rss_mib(server: LocalTorchServe) -> float:

@@ -13,8 +13,6 @@ import dataclasses
 import os
 import platform
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from tqdm import tqdm
 from archive_tools.model_config import ServingConfig
 from archive_tools.local_server import HandlerCounters, LocalTorchServe
 from benchmarks import report
+from benchmarks.building import build
 from benchmarks.inprocess import CeilingProcess
 from benchmarks.load import LoadResult, run_closed_loop, run_open_loop
 from benchmarks.worker_cpu import worker_cpu_s
@@ -123,16 +122,7 @@ def _traffic(
 def _build_archive(scenario: Scenario, model_store: Path) -> dict:
     """Builds in a child process, so that its peak memory is the child's own maximum RSS."""
     started = time.perf_counter()
-    subprocess.run(
-        [
-            sys.executable, "-m", "archive_tools", "build",  # torchrec-serve build
-            "--spec", str(scenario.spec),
-            "--model-store", str(model_store),
-            "--max-batch-delay", str(scenario.max_batch_delay_ms),
-            *scenario.build_args,
-        ],
-        check=True,
-    )
+    build(scenario.spec, model_store, "--max-batch-delay", str(scenario.max_batch_delay_ms), *scenario.build_args)
     seconds = time.perf_counter() - started
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     name = load_spec(scenario.spec).name

@@ -15,8 +15,6 @@ served at least 0.85 of the ceiling, batched vs solo at most 1e-5. Also ``summar
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from tqdm import tqdm  # noqa: E402
 
 from archive_tools.local_server import LocalTorchServe  # noqa: E402
 from archive_tools.model_config import ServingConfig  # noqa: E402
+from benchmarks.building import build  # noqa: E402
 from benchmarks.inprocess import CeilingProcess  # noqa: E402
 from benchmarks.traffic import Traffic  # noqa: E402
 from benchmarks.wrk import run_wrk  # noqa: E402
@@ -112,12 +111,8 @@ def _traffic(count: int, seed: int) -> tuple[Traffic, list[int]]:
 
 
 def _build(store: Path, batch_size: int) -> Path:
-    command = [
-        sys.executable, "-m", "archive_tools", "build", "--spec", str(SPEC), "--seed", "0",
-        "--artifact", "aoti", "--archive-format", "no-archive", "--model-store", str(store),
-        "--batch-size", str(batch_size),
-    ]
-    subprocess.run(command, check=True)
+    build(SPEC, store, "--seed", "0", "--artifact", "aoti", "--archive-format", "no-archive",
+          "--batch-size", str(batch_size))
     return store / "din"
 
 

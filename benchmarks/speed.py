@@ -50,6 +50,7 @@ from tqdm import tqdm  # noqa: E402
 
 from archive_tools.local_server import HandlerCounters, LocalTorchServe  # noqa: E402
 from archive_tools.model_config import ServingConfig  # noqa: E402
+from benchmarks.building import build  # noqa: E402
 from benchmarks.inprocess import CeilingProcess  # noqa: E402
 from benchmarks.load import LoadResult, run_closed_loop_grpc  # noqa: E402
 from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS  # noqa: E402
@@ -217,11 +218,7 @@ def _decode_us_per_item(schema, traffic: Traffic, min_time_s: float = 1.0) -> fl
 
 
 def _build(scenario: SpeedScenario, name: str, store: Path) -> Path:
-    subprocess.run(
-        [sys.executable, "-m", "archive_tools", "build", "--spec", str(scenario.spec),
-         "--model-store", str(store), *scenario.build_args],
-        check=True,
-    )
+    build(scenario.spec, store, *scenario.build_args)
     subprocess.run(
         [sys.executable, "-c", "from model_archiver.model_packaging import generate_model_archive "
          "as main; main()", "--model-name", "noop", "--version", "1.0", "--handler",

@@ -14,8 +14,6 @@ The build's ``--parallel-from-items`` default comes from it.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ import orjson
 import yaml
 
 from archive_tools.local_server import LocalTorchServe
+from benchmarks.building import build
 from benchmarks.load import run_closed_loop
 from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS, REPO
 from benchmarks.traffic import TrafficModel
@@ -44,11 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"spec": str(args.spec), "levels": []}
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "model_store"
-        subprocess.run(
-            [sys.executable, "-m", "archive_tools", "build", "--spec", str(args.spec), "--artifact",
-             "aoti", "--archive-format", "no-archive", "--model-store", str(store)],
-            check=True, capture_output=True,
-        )
+        build(args.spec, store, "--artifact", "aoti", "--archive-format", "no-archive", quiet=True)
         config_path = store / spec.name / MODEL_CONFIG
         config = yaml.safe_load(config_path.read_text())
         with LocalTorchServe(model_store=store) as server:

@@ -1,0 +1,15 @@
+"""How the benchmarks build their archives: ``torchrec-serve build`` in a process of its own, as a
+user runs it (its peak memory is then the child's, apart from the benchmark's own)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def build(spec: Path, store: Path, *args: str, quiet: bool = False) -> None:
+    """``torchrec-serve build --spec SPEC --model-store STORE ARGS...``; ``quiet``: its output kept
+    back (shown only if it fails, in the raised error)."""
+    command = [sys.executable, "-m", "archive_tools", "build", "--spec", str(spec), "--model-store", str(store), *args]
+    subprocess.run(command, check=True, capture_output=quiet)
