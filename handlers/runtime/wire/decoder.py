@@ -172,12 +172,18 @@ class RequestDecoder:
                     "missing_field",
                 )
             read = self._read_json(body)
-            context_ids = body.get(CONTEXT_SPARSE_KEY)
-            nested = len(context_ids) if isinstance(context_ids, dict) else 0  # its features' keys
+            nested = self._context_sparse_keys(body)
             refuse_duplicate_keys(payload, len(body) + nested + (read.items.keys if isinstance(read, _Sent) else 0))
             return read
         except ServingError as error:
             raise Rejected(error, encoder) from None
+
+    def _context_sparse_keys(self, body: dict) -> int:
+        """Keys of the body's ``context_sparse`` object (0 for a model that takes none)."""
+        if self._context_jagged is None:
+            return 0
+        context_ids = body.get(CONTEXT_SPARSE_KEY)
+        return len(context_ids) if isinstance(context_ids, dict) else 0
 
     def _read_json(self, body: dict) -> "DecodedRequest | _Sent":
         return_logits = body.get(RETURN_LOGITS_KEY, False)
