@@ -111,44 +111,70 @@ def test_a_broken_architecture_is_refused_naming_it(user_module, architecture, s
         _spec(architecture.format(m=module))
 
 
+_ITEM_BAGS = 'tables.bags("t_item", "t_cat")'
+_FORWARD = "def forward(self, dense_features, sparse_features):"
+_SHORT_ITEM_BAGS = (
+    '__import__("torchrec").EmbeddingBagCollection(tables=[__import__("torchrec").EmbeddingBagConfig('
+    'name="t_item", num_embeddings=499, embedding_dim=8, feature_names=["item"])], device=tables.device)'
+)
+_PROCESSED_ITEM_BAGS = (  # TorchRec's feature processors take weighted collections: weighted_ids below
+    '__import__("torchrec").modules.fp_embedding_modules.FeatureProcessedEmbeddingBagCollection('
+    + _ITEM_BAGS + ', __import__("torchrec").modules.feature_processor_.PositionWeightedModuleCollection('
+    '{"item": 4, "cat": 4}))'
+)
+_MEAN_ITEM_BAGS = """__import__("torchrec").EmbeddingBagCollection(
+            tables=[
+                __import__("torchrec").EmbeddingBagConfig(name="t_item", num_embeddings=500, embedding_dim=8,
+                    feature_names=["item"], pooling=__import__("torchrec").PoolingType.MEAN),
+                __import__("torchrec").EmbeddingBagConfig(name="t_cat", num_embeddings=40, embedding_dim=4,
+                    feature_names=["cat"]),
+            ],
+            device=tables.device,
+        )"""
+_UNWEIGHTED_USER_BAGS = (
+    '__import__("torchrec").EmbeddingBagCollection(tables=tables.bags("t_user").embedding_bag_configs(), '
+    "is_weighted=False, device=tables.device)"
+)
+
+
+_MANAGED_ITEM_BAGS = """(lambda bags, mc: __import__("torchrec").modules.mc_embedding_modules.
+            ManagedCollisionEmbeddingBagCollection(bags, mc.ManagedCollisionCollection(
+                managed_collision_modules={
+                    c.name: mc.MCHManagedCollisionModule(
+                        zch_size=c.num_embeddings, device=tables.device,
+                        eviction_policy=mc.DistanceLFU_EvictionPolicy(), eviction_interval=1)
+                    for c in bags.embedding_bag_configs()
+                },
+                embedding_configs=bags.embedding_bag_configs()), return_remapped_features=False)
+        )(tables.bags("t_item", "t_cat"), __import__("torchrec").modules.mc_modules)"""  # raw ids: MCH before the bags
+
+# (what the user's model does wrong: the source it replaces, with what, the spec's weighted_ids,
+# and the one line the build fails with)
 MODEL_FAULTS = [
-    ("forward", "def forward(self, dense, ids):",
+    ("forward", _FORWARD, "def forward(self, dense, ids):", False,
      r"TwoTower.forward takes \(dense, ids\), its input_tags declare \(dense_features, sparse_features\)"),
-    ("processor",
-     'self.item_bags = tables.bags("t_item", "t_cat")\n'
-     '        from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection\n'
-     '        from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection\n'
-     '        self.item_bags = FeatureProcessedEmbeddingBagCollection(tables.bags("t_item", "t_cat"), '
-     'PositionWeightedModuleCollection({"item": 4, "cat": 4}))',
+    ("processor", _ITEM_BAGS, _PROCESSED_ITEM_BAGS, True,
      "item_bags: FeatureProcessedEmbeddingBagCollection: feature processors are not served"),
-    ("missing table", 'self.item_bags = tables.bags("t_item", "t_cat")',
+    ("missing table", 'nn.ModuleDict({"embeddings": tables.bags("t_user")})', "nn.ModuleDict()", False,
      r"tables: \['t_user'\] are in the spec but in none of the model's embedding collections"),
+    ("managed collisions", _ITEM_BAGS, _MANAGED_ITEM_BAGS, False,
+     "item_bags: ManagedCollisionEmbeddingBagCollection: managed-collision \\(raw id\\) tables are not served yet"),
+    ("unknown table", 'tables.bags("t_user")', 'tables.bags("t_users")', False,
+     r"tables: the architecture asks for \['t_users'\], the spec has"),
+    ("pooled as a sequence", 'tables.bags("t_user")', 'tables.sequences("t_user")', False,
+     r"tables: \['t_user'\] asked for as unpooled \(sequences, pooling: none\) tables"),
+    ("shape", _ITEM_BAGS, _SHORT_ITEM_BAGS, False, r"item_bags: table t_item: 499 rows x dim 8, the spec says 500 x 8"),
+    ("pooling", _ITEM_BAGS, _MEAN_ITEM_BAGS, False, "item_bags: table t_item: pooling mean, the spec says sum"),
+    ("weighting", 'tables.bags("t_user")', _UNWEIGHTED_USER_BAGS, True,
+     "user_side.embeddings: is_weighted=False, the spec's weighted_ids is True"),
 ]
 
 
-@pytest.mark.parametrize("fault, change, message", MODEL_FAULTS, ids=[f[0] for f in MODEL_FAULTS])
-def test_a_model_that_breaks_the_contract_fails_the_build_naming_it(user_module, fault, change, message):
-    source = USER_MODULE
-    if fault == "forward":
-        source = source.replace("def forward(self, dense_features, sparse_features):", change)
-    elif fault == "processor":
-        source = source.replace('self.item_bags = tables.bags("t_item", "t_cat")', change)
-    else:  # the user tower's collection left out
-        source = source.replace('nn.ModuleDict({"embeddings": tables.bags("t_user")})', "nn.ModuleDict()")
-    weighted = fault == "processor"  # TorchRec's feature processors take weighted collections
-    spec = _spec(f"{user_module(source)}:TwoTowerArchitecture", weighted_ids=weighted)
+@pytest.mark.parametrize("fault, old, new, weighted, message", MODEL_FAULTS, ids=[f[0] for f in MODEL_FAULTS])
+def test_a_model_that_breaks_the_contract_fails_the_build_naming_it(user_module, fault, old, new, weighted, message):
+    assert old in USER_MODULE
+    spec = _spec(f"{user_module(USER_MODULE.replace(old, new))}:TwoTowerArchitecture", weighted_ids=weighted)
     with pytest.raises(SpecError, match=message):
-        DLRMFactory(spec).float_model(seed=0)
-
-
-def test_a_table_the_model_shapes_unlike_the_spec_is_named(user_module):
-    source = USER_MODULE.replace(
-        'tables.bags("t_item", "t_cat")',
-        '__import__("torchrec").EmbeddingBagCollection(tables=[__import__("torchrec").EmbeddingBagConfig('
-        'name="t_item", num_embeddings=499, embedding_dim=8, feature_names=["item"])], device=tables.device)',
-    )
-    spec = _spec(f"{user_module(source)}:TwoTowerArchitecture")
-    with pytest.raises(SpecError, match=r"item_bags: table t_item: 499 rows x dim 8, the spec says 500 x 8"):
         DLRMFactory(spec).float_model(seed=0)
 
 
@@ -211,32 +237,6 @@ class _EntryPoint:
         self.name, self.value = name, value
 
 
-_MEAN_ITEM_BAGS = """__import__("torchrec").EmbeddingBagCollection(
-            tables=[
-                __import__("torchrec").EmbeddingBagConfig(name="t_item", num_embeddings=500, embedding_dim=8,
-                    feature_names=["item"], pooling=__import__("torchrec").PoolingType.MEAN),
-                __import__("torchrec").EmbeddingBagConfig(name="t_cat", num_embeddings=40, embedding_dim=4,
-                    feature_names=["cat"]),
-            ],
-            device=tables.device,
-        )"""
-_UNWEIGHTED_USER_BAGS = (
-    '__import__("torchrec").EmbeddingBagCollection(tables=tables.bags("t_user").embedding_bag_configs(), '
-    "is_weighted=False, device=tables.device)"
-)
-
-
-def test_a_collection_pooled_or_weighted_unlike_the_spec_is_named(user_module):
-    mean = USER_MODULE.replace('tables.bags("t_item", "t_cat")', _MEAN_ITEM_BAGS)
-    spec = _spec(f"{user_module(mean)}:TwoTowerArchitecture")
-    with pytest.raises(SpecError, match="item_bags: table t_item: pooling mean, the spec says sum"):
-        DLRMFactory(spec).float_model(seed=0)
-    unweighted = USER_MODULE.replace('tables.bags("t_user")', _UNWEIGHTED_USER_BAGS)
-    spec = _spec(f"{user_module(unweighted)}:TwoTowerArchitecture", weighted_ids=True)
-    with pytest.raises(SpecError, match="user_side.embeddings: is_weighted=False, the spec's weighted_ids is True"):
-        DLRMFactory(spec).float_model(seed=0)
-
-
 def test_inputs_the_runtime_cannot_batch_are_a_spec_error_naming_the_architecture(user_module):
     source = USER_MODULE.replace(
         "return per_item_tags(spec)",
@@ -246,3 +246,13 @@ def test_inputs_the_runtime_cannot_batch_are_a_spec_error_naming_the_architectur
     spec = _spec(f"{user_module(source)}:TwoTowerArchitecture")
     with pytest.raises(SpecError, match=r"TwoTowerArchitecture: inputs: a context_jagged input needs an item_counts"):
         input_schema(spec)  # what the build asks first (the inputs.json it stages)
+
+
+def test_a_worker_refuses_an_archive_built_against_another_contract(tmp_path):
+    from handlers.modeling.archive_code import use_archive_code
+
+    (tmp_path / "architecture.json").write_text(
+        '{"architecture": "dlrm", "contract_version": 0, "path": "handlers.modeling.architectures.dlrm:ARCHITECTURE"}'
+    )
+    with pytest.raises(SpecError, match=f"built against architecture contract 0, this worker implements {CONTRACT_VERSION}"):
+        use_archive_code(tmp_path)

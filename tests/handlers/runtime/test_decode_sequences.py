@@ -136,3 +136,10 @@ def test_a_history_given_twice_is_named_and_a_well_formed_body_skips_the_slow_ch
 
     monkeypatch.setattr("handlers.runtime.wire.json_values.json.loads", slow)
     assert _decode(body.encode()).inputs.num_items == 3
+
+
+def test_the_client_refuses_a_per_request_feature_the_model_does_not_take():
+    client = ScoringClient("din", SCHEMA, rest_url="http://127.0.0.1")
+    request = _request(history=2)
+    with pytest.raises(ValueError, match=r"context_sparse: \['histroy'\] are not this model's per-request features \(history\)"):
+        client.tensors(request["items"], None, {"histroy": [1, 2]})
