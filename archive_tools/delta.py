@@ -31,8 +31,8 @@ from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.embedding_modules import table_weights
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
+from handlers.modeling.row_formats import encode_rows
 from handlers.modeling.spec import ModelSpec
-from handlers.runtime import fbgemm_ops  # noqa: F401  FBGEMM's quantization operators
 from handlers.runtime.archive import Archive, tables_file_name
 from handlers.runtime.archive_files import SPEC, TABLES, WEIGHTS, aoti_weights_file
 from handlers.runtime.artifacts import Artifact
@@ -71,16 +71,9 @@ class DeltaSummary:
 
 
 def served_rows(floats: torch.Tensor, table: TableLayout) -> np.ndarray:
-    """Float rows [n, dim] -> their bytes as the table holds them, uint8 [n, row_bytes]: int8/int4
-    as FBGEMM's row-wise quantization (fp16 scale and bias first, then the packed values), fp16 and
-    fp32 as they are; zero padding to the row size."""
-    floats = floats.detach().float().contiguous()
-    if table.dtype in ("int8", "int4"):
-        fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(floats, 8 if table.dtype == "int8" else 4)
-        values, scale_bias = fused[:, :-4], fused[:, -4:]  # the fused format keeps scale/bias last
-        packed = torch.cat([scale_bias, values], dim=1)
-    else:
-        packed = floats.to(torch.float16 if table.dtype == "fp16" else torch.float32).view(torch.uint8)
+    """Float rows [n, dim] -> their bytes as the table holds them (``row_formats.encode_rows``),
+    uint8 [n, row_bytes] with zero padding to the row size."""
+    packed = encode_rows(floats, table.dtype)
     out = np.zeros((floats.shape[0], table.row_bytes), np.uint8)
     out[:, : packed.shape[1]] = packed.numpy()
     return out

@@ -45,6 +45,7 @@ _TORCHREC_DTYPE = {
     WeightDtype.FP16: DataType.FP16,
     WeightDtype.INT8: DataType.INT8,
     WeightDtype.INT4: DataType.INT4,
+    WeightDtype.INT2: DataType.INT2,
 }
 _POOLING = {Pooling.SUM: PoolingType.SUM, Pooling.MEAN: PoolingType.MEAN}
 

@@ -54,6 +54,7 @@ _QUANT_DTYPE = {
     WeightDtype.FP16: torch.float16,
     WeightDtype.INT8: torch.qint8,
     WeightDtype.INT4: torch.quint4x2,
+    WeightDtype.INT2: torch.quint2x4,
 }
 
 

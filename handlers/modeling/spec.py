@@ -64,6 +64,7 @@ class WeightDtype(str, enum.Enum):
     FP16 = "fp16"
     INT8 = "int8"
     INT4 = "int4"
+    INT2 = "int2"
 
 
 class ShardingType(str, enum.Enum):
@@ -101,7 +102,7 @@ class TableSpec(_Section):
         "400 naming the feature); default limits.max_ids_per_bag",
     )
     weight_dtype: WeightDtype = Field(
-        WeightDtype.INT8, description="served dtype (FBGEMM row-wise quantization for int8/int4)"
+        WeightDtype.INT8, description="served dtype (FBGEMM row-wise quantization for int8/int4/int2)"
     )
     sharding: ShardingType = Field(ShardingType.AUTO, description="TorchRec inference sharding")
     shard: Name | None = Field(
@@ -116,8 +117,12 @@ class TableSpec(_Section):
             raise ValueError(f"name: {self.name!r} is taken by TorchRec's module dict of tables; rename it")
         if self.max_sequence_length is not None and self.pooling != Pooling.NONE:
             raise ValueError("max_sequence_length: only for sequence tables (pooling: none)")
-        if self.weight_dtype == WeightDtype.INT4 and self.dim % 2:
-            raise ValueError(f"dim: int4 tables need an even dim, got {self.dim}")
+        per_byte = {WeightDtype.INT4: 2, WeightDtype.INT2: 4}.get(self.weight_dtype, 1)
+        if self.dim % per_byte:
+            raise ValueError(
+                f"dim: {self.weight_dtype.value} tables pack {per_byte} values per byte: dim must be a "
+                f"multiple of {per_byte}, got {self.dim}"
+            )
         if self.sharding == ShardingType.COLUMN_WISE:
             # Measured on torchrec 1.8: the quantized sharder splits the packed byte rows, not the
             # embedding dim, so pooled outputs come back twice as wide and the model fails.
@@ -241,7 +246,7 @@ class ModelSpec(_Section):
             if self.is_sharded and t.weight_dtype in (WeightDtype.FP32, WeightDtype.FP16):
                 # Measured on torchrec 1.8: its inference sharding needs per-row scale/bias.
                 raise ValueError(
-                    f"tables[{i}].weight_dtype: a sharded model needs int8 or int4 tables (torchrec "
+                    f"tables[{i}].weight_dtype: a sharded model needs int8, int4 or int2 tables (torchrec "
                     f"1.8 inference sharding cannot shard {t.weight_dtype.value} tables), got "
                     f"{t.weight_dtype.value}"
                 )

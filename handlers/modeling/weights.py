@@ -25,7 +25,7 @@ class InferenceWeights:
     """Everything the served model needs, in its served dtypes.
 
     ``tables[name] = (rows, scale_bias)``: the TBE rows ``[R, packed bytes or dim]`` and, for
-    int8/int4, the fp16 scale and bias per row as bytes ``[R, 4]`` (``None`` for fp32/fp16 tables).
+    int8/int4/int2, the fp16 scale and bias per row as bytes ``[R, 4]`` (``None`` for fp32/fp16 tables).
     ``dense``: the float parameters of everything but the tables.
     ``buffers``: when the tables are views into FBGEMM's flat weight buffers (one per TBE, as saved
     in ``weights.pt``), those buffers; an unsharded CPU model then runs on them without a copy.
@@ -62,7 +62,7 @@ def fill_random_table(
     """Random rows of one table, dequantizing to uniform [-a, a] with a = 1/sqrt(rows).
 
     ``values``: uint8 [R, row bytes]; ``scale_bias``: uint8 [R, 4] (fp16 scale, then fp16 bias)
-    for int8/int4, None for fp16/fp32. Filled in chunks of 1M rows to bound temporary memory.
+    for int8/int4/int2, None for fp16/fp32. Filled in chunks of 1M rows to bound temporary memory.
     """
     rows = values.shape[0]
     bound = rows**-0.5
@@ -72,10 +72,10 @@ def fill_random_table(
         if scale_bias is None:  # fp16 / fp32 rows hold the values themselves
             floats = part.view(torch.float16 if sparse_type == SparseType.FP16 else torch.float32)
             floats.copy_(torch.rand(floats.shape, generator=generator) * 2 * bound - bound)
-        else:  # int8: one value per byte; int4: two per byte, both uniform in random bytes
+        else:  # int8: one value per byte, int4 two, int2 four: all uniform in random bytes
             part.copy_(torch.randint(0, 256, part.shape, dtype=torch.uint8, generator=generator))
     if scale_bias is not None:
-        levels = 255 if sparse_type == SparseType.INT8 else 15
+        levels = {SparseType.INT8: 255, SparseType.INT4: 15, SparseType.INT2: 3}[sparse_type]
         params = scale_bias.view(torch.float16)  # [R, 2]
         params[:, 0] = 2 * bound / levels
         params[:, 1] = -bound

@@ -8,7 +8,7 @@ fingerprint of the rows an archive was built with.
                  "row_bytes": 68, "buffer": 0, "offset": 0}, ...]}
 
 A table's row ``i`` is the ``row_bytes`` bytes at ``offset + i * row_bytes`` of TBE buffer
-``buffer``: for int8/int4 an fp16 scale and an fp16 bias, then the packed values; for fp16/fp32
+``buffer``: for int8/int4/int2 an fp16 scale and an fp16 bias, then the packed values; for fp16/fp32
 the values; padded with zeros to FBGEMM's row alignment. A delta carries whole rows in this form.
 """
 
@@ -35,7 +35,7 @@ _WEIGHTS_PT_KEY = re.compile(r"^tbe\.\d+$")
 @dataclasses.dataclass(frozen=True)
 class TableLayout:
     name: str
-    dtype: str  # the served dtype: fp32, fp16, int8, int4
+    dtype: str  # the served dtype: fp32, fp16, int8, int4, int2
     dim: int
     rows: int
     row_bytes: int
