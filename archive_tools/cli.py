@@ -7,6 +7,8 @@
     torchrec-serve serve model_store/criteo.mar               # TorchServe with our config, until Ctrl-C
     torchrec-serve delta model_store/criteo.mar --checkpoint trained-2.pt --sequence 1
                                                               # changed rows, to publish
+    torchrec-serve plan --spec criteo --checkpoint trained.pt --data eval.tsv
+                                                              # each table's dtype, under an AUC budget
     torchrec-serve bench criteo                               # a benchmark scenario
     torchrec-serve spec-docs                                  # regenerate the spec's schema and docs
 
@@ -200,6 +202,36 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from archive_tools.planning import Budget, plan_tables  # imports matplotlib: only this command pays for it
+
+    if args.max_auc_drop <= 0 or args.max_ne_increase <= 0:
+        raise InputError("--max-auc-drop and --max-ne-increase: a budget must be above 0")
+    outputs = plan_tables(
+        spec_path(args.spec),
+        args.data,
+        Budget(args.max_auc_drop, args.max_ne_increase),
+        args.out,
+        checkpoint=args.checkpoint,
+        seed=args.seed,
+        holdout_path=args.holdout,
+        holdout_share=args.holdout_share,
+        max_minutes=args.max_minutes,
+    )
+    for path in (outputs.spec, outputs.report, outputs.plot):
+        print(f"wrote {path}", file=sys.stderr)
+    weights = f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--seed {args.seed}"
+    # The build's gate checks the plan again; a plan spends its budget on AUC and NE, so scores may
+    # move by more than the gate's default --max-score-diff: half again what the held-out data showed.
+    score_diff = max(Bounds.max_abs_score_diff, float(f"{outputs.search.planned.max_abs_score_diff * 1.5:.1e}"))
+    print(
+        f"build it: torchrec-serve build --spec {outputs.spec} {weights} --validation {args.holdout or args.data} "
+        f"--max-auc-drop {args.max_auc_drop:g} --max-ne-increase {args.max_ne_increase:g} --max-score-diff {score_diff:g}",
+        file=sys.stderr,
+    )
+    return 0 if outputs.search.planned.within_budget else 8
+
+
 def _serve(args: argparse.Namespace) -> int:
     """TorchServe with our configuration; the archives registered; until Ctrl-C (or SIGTERM: the
     server is stopped either way, never left running)."""
@@ -271,6 +303,7 @@ def _parser() -> argparse.ArgumentParser:
     _command(commands, "serve", _serve, "run TorchServe with the project's config", cli_args.serve_args)
     _command(commands, "launch", _launch, "start a distributed layout here, one TorchServe per host", cli_args.launch_args)
     _command(commands, "delta", _delta, "write a delta of changed table rows for a served archive", cli_args.delta_args)
+    _command(commands, "plan", _plan, "choose each table's dtype under an accuracy budget", cli_args.plan_args)
     _command(commands, "bench", _bench, "run a benchmark scenario", cli_args.bench_args)
     _command(commands, "spec-docs", _spec_docs, "regenerate spec.schema.json and SPEC.md", None)
     return parser

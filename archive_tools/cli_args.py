@@ -179,6 +179,31 @@ def verification_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def plan_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--spec", required=True, help="model spec: a YAML file, or a shipped spec's name")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--checkpoint", type=Path, help="trained float state dict (torch.save)")
+    weights.add_argument("--seed", type=int, default=0, help="random weights from this seed (demo)")
+    parser.add_argument(
+        "--data", type=Path, required=True,
+        help="labelled data: JSON lines (requests or item records with label/labels) or a Criteo TSV",
+    )
+    holdout = parser.add_mutually_exclusive_group()
+    holdout.add_argument("--holdout", type=Path, help="labelled data to verify the plan on (default: a split of --data)")
+    holdout.add_argument(
+        "--holdout-share", type=float, default=0.3, help="share of --data's requests held out to verify the plan on"
+    )
+    parser.add_argument("--max-auc-drop", type=float, default=0.0005, help="budget: AUC drop against the float model")
+    parser.add_argument(
+        "--max-ne-increase", type=float, default=0.002, help="budget: normalized entropy increase against the float model"
+    )
+    parser.add_argument("--max-minutes", type=float, default=None, help="stop trying moves after this long")
+    parser.add_argument(
+        "--out", type=Path, default=Path("plans"),
+        help="where NAME.planned.yaml, NAME.plan.json and NAME.plan.png are written",
+    )
+
+
 def serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("archives", nargs="*", help="archives in the model store to register")
     parser.add_argument(

@@ -66,6 +66,11 @@ class WeightDtype(str, enum.Enum):
     INT4 = "int4"
     INT2 = "int2"
 
+    @property
+    def values_per_byte(self) -> int:
+        """Values packed into one byte: int4 2, int2 4, otherwise 1 (or fewer)."""
+        return {"int4": 2, "int2": 4}.get(self.value, 1)
+
 
 class ShardingType(str, enum.Enum):
     """TorchRec inference sharding of one table; ``auto`` lets TorchRec's planner choose."""
@@ -117,7 +122,7 @@ class TableSpec(_Section):
             raise ValueError(f"name: {self.name!r} is taken by TorchRec's module dict of tables; rename it")
         if self.max_sequence_length is not None and self.pooling != Pooling.NONE:
             raise ValueError("max_sequence_length: only for sequence tables (pooling: none)")
-        per_byte = {WeightDtype.INT4: 2, WeightDtype.INT2: 4}.get(self.weight_dtype, 1)
+        per_byte = self.weight_dtype.values_per_byte
         if self.dim % per_byte:
             raise ValueError(
                 f"dim: {self.weight_dtype.value} tables pack {per_byte} values per byte: dim must be a "
@@ -269,6 +274,14 @@ class ModelSpec(_Section):
         """Sharded with TorchRec when spread over several ranks or a table asks for a layout."""
         return self.sharding.world_size > 1 or any(
             t.sharding != ShardingType.AUTO for t in self.tables
+        )
+
+    def servable_dtypes(self, table: TableSpec) -> tuple[WeightDtype, ...]:
+        """The dtypes ``table`` could be served in by this model, widest first."""
+        floats = (WeightDtype.FP32, WeightDtype.FP16)
+        return tuple(
+            d for d in WeightDtype
+            if table.dim % d.values_per_byte == 0 and not (self.is_sharded and d in floats)
         )
 
     @property

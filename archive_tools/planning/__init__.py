@@ -1,0 +1,104 @@
+"""``torchrec-serve plan``: each table's served dtype chosen under an accuracy budget.
+
+    torchrec-serve plan --spec criteo --checkpoint trained.pt --data eval.tsv --max-auc-drop 0.0005
+
+From a spec, its trained float model and labelled data, the planner measures how much each table
+loses in each smaller dtype, combines the choices that save the most bytes per unit of accuracy
+(``search``), checks the result on held-out data as the archive would serve it, and writes
+``NAME.planned.yaml`` (build it as any spec), ``NAME.plan.json`` (``report``) and ``NAME.plan.png``.
+All of it runs on the rows the data looks up (``probe``), so a table's size costs nothing but bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from archive_tools.planning.probe import TableProbe, require_labels
+from archive_tools.planning.report import plot, planned_spec, report, summary_lines, write_report
+from archive_tools.planning.search import Budget, PlanSearch, search
+from archive_tools.validation_data import ValidationData, ValidationDataError, read_validation
+from handlers.modeling.checkpoint import read_checkpoint
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.registry import load_spec
+
+__all__ = ["Budget", "PlanOutputs", "plan_tables", "split_validation"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOutputs:
+    spec: Path
+    report: Path
+    plot: Path
+    search: PlanSearch
+
+
+def plan_tables(
+    spec_path: Path,
+    data_path: Path,
+    budget: Budget,
+    out: Path,
+    checkpoint: Path | None = None,
+    seed: int = 0,
+    holdout_path: Path | None = None,
+    holdout_share: float = 0.3,
+    max_minutes: float | None = None,
+) -> PlanOutputs:
+    spec = load_spec(spec_path)
+    factory = DLRMFactory(spec)
+    model = factory.float_model(seed=seed)
+    if checkpoint is not None:
+        note = factory.load_checkpoint(model, read_checkpoint(checkpoint))
+        if note:
+            tqdm.write(f"checkpoint {checkpoint}: {note}", file=sys.stderr)
+    data = read_validation(data_path, spec)
+    require_labels(data)
+    if holdout_path is not None:
+        plan_data, holdout = data, read_validation(holdout_path, spec)
+    else:
+        plan_data, holdout = split_validation(data, holdout_share, seed)
+    probe = TableProbe(spec, model, {"plan": plan_data, "holdout": holdout})
+    found = search(spec, probe, budget, None if max_minutes is None else max_minutes * 60)
+    out.mkdir(parents=True, exist_ok=True)
+    outputs = PlanOutputs(
+        out / f"{spec.name}.planned.yaml", out / f"{spec.name}.plan.json", out / f"{spec.name}.plan.png", found
+    )
+    planned_spec(spec, found).to_yaml(outputs.spec)
+    outputs.spec.write_text(f"# {spec.name}'s tables planned by torchrec-serve plan: see {outputs.report.name}\n"
+                            + outputs.spec.read_text())
+    rows_in_data = {name: len(ids) for name, ids in probe.used_ids.items()}
+    sources = {"plan": plan_data.source, "holdout": holdout.source}
+    write_report(report(spec, found, rows_in_data, sources), outputs.report)
+    plot(found, outputs.plot, f"{spec.name}: table bytes against accuracy")
+    for line in summary_lines(found):
+        tqdm.write(line, file=sys.stderr)
+    return outputs
+
+
+def split_validation(data: ValidationData, holdout_share: float, seed: int) -> tuple[ValidationData, ValidationData]:
+    """Requests drawn at random (seeded) into a plan split and a held-out one of ``holdout_share``."""
+    if not 0 < holdout_share < 1:
+        raise ValueError(f"--holdout-share: must be between 0 and 1, got {holdout_share}")
+    count = len(data.requests)
+    held = round(count * holdout_share)
+    if held < 1 or held == count:
+        raise ValidationDataError(
+            f"{data.source}: {count} request(s) cannot be split {1 - holdout_share:.0%}/{holdout_share:.0%}; "
+            "give more data or --holdout FILE"
+        )
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def part(indices: list[int], label: str) -> ValidationData:
+        indices = sorted(indices)
+        return ValidationData(
+            [data.requests[i] for i in indices],
+            None if data.labels is None else [data.labels[i] for i in indices],
+            f"{data.source} ({label}, {len(indices)} of {count} requests)",
+            [data.origins[i] for i in indices],
+        )
+
+    return part(order[held:], "plan split"), part(order[:held], "held out")

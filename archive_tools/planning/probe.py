@@ -1,0 +1,189 @@
+"""The model on the rows its data looks up: what the planner evaluates, many times, cheaply.
+
+A table of 40M rows is looked up at a few thousand distinct ids by any validation set. The probe
+keeps only those rows: a copy of the model whose tables hold, in order, the rows of the ids the
+data uses (``TableSpec.rows`` becomes their count), and the data's ids renumbered to match. Row-wise
+quantization treats each row alone, so the probe's rows in any dtype are exactly the full table's
+served rows for those ids, and its scores are the full model's.
+
+    probe = TableProbe(spec, float_model, {"plan": plan_data, "holdout": holdout_data})
+    probe.quality("plan", {"t_user": WeightDtype.INT4})       # float model, one table as int4
+    probe.served_quality("holdout", dtypes)                    # the served model: quantized, dense precision
+
+``quality`` rounds the chosen tables' float rows through their served format in place (fast, and
+the same embeddings the kernels look up); ``served_quality`` builds the quantized model with the
+factory, as an archive serves it (dense precision included), for the final word.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from archive_tools.validation_data import ValidationData, ValidationDataError
+from archive_tools.verification import Quality, quality
+from handlers.modeling.eager import eager_service
+from handlers.modeling.embedding_modules import table_prefixes, table_weights
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.row_formats import round_trip
+from handlers.modeling.spec import ModelSpec, WeightDtype
+from handlers.runtime.batching import chunk_by_items
+from handlers.runtime.inputs import BatchKind, JaggedIds, RequestInputs
+from handlers.runtime.service import ScoringService
+from handlers.runtime.wire.decoder import RequestDecoder
+from handlers.runtime.wire.messages import Rejected
+from handlers.modeling.registry import input_schema
+
+Dtypes = Mapping[str, WeightDtype]  # table -> dtype; a table not named stays float
+
+
+class _Split:
+    """One data split, decoded and renumbered into the probe's rows."""
+
+    def __init__(self, requests: list[RequestInputs], labels: torch.Tensor, source: str) -> None:
+        self.requests = requests
+        self.labels = labels
+        self.source = source
+
+    @property
+    def items(self) -> int:
+        return int(self.labels.numel())
+
+
+class TableProbe:
+    def __init__(self, spec: ModelSpec, float_model: nn.Module, splits: Mapping[str, ValidationData]) -> None:
+        decoded = {name: _decode(spec, data) for name, data in splits.items()}
+        self.spec = spec
+        self.used_ids = _used_ids(spec, [r for requests, _ in decoded.values() for r in requests])
+        self.compact_spec = spec.replace(
+            tables=[t.model_copy(update={"rows": max(1, len(self.used_ids[t.name]))}) for t in spec.tables]
+        )
+        self.splits = {
+            name: _Split([self._renumber(r) for r in requests], labels, splits[name].source)
+            for name, (requests, labels) in decoded.items()
+        }
+        self.model = _compact_model(self.compact_spec, float_model, self.used_ids)
+        self._float_rows = {name: w.detach().clone() for name, w in table_weights(self.model).items()}
+        self._service = eager_service(self.compact_spec, self.model)
+        self.evaluations = 0  # forwards over a whole split, for the report
+        self._float_scores: dict[str, torch.Tensor] = {}
+
+    def quality(self, split: str, dtypes: Dtypes) -> Quality:
+        """The float model's quality on ``split`` with the named tables' rows as their dtype serves them."""
+        return quality(self._scores(split, dtypes), self.splits[split].labels)
+
+    def served_quality(self, split: str, dtypes: Dtypes) -> tuple[Quality, float]:
+        """The served model's quality on ``split`` and its largest score difference from the float
+        model's: tables quantized to ``dtypes`` (float where not named) by the factory, dense
+        layers in the spec's precision."""
+        spec = self.compact_spec.replace(
+            tables=[t.model_copy(update={"weight_dtype": dtypes.get(t.name, WeightDtype.FP32)}) for t in self.compact_spec.tables]
+        )
+        factory = DLRMFactory(spec)
+        served = eager_service(spec, factory.inference_model(factory.quantize(self.model)))
+        scores = self._run(served, split)
+        if split not in self._float_scores:
+            self._float_scores[split] = self._scores(split, {})
+        return quality(scores, self.splits[split].labels), float((scores - self._float_scores[split]).abs().max())
+
+    def _scores(self, split: str, dtypes: Dtypes) -> torch.Tensor:
+        weights = table_weights(self.model)
+        with torch.no_grad():
+            for name, rows in self._float_rows.items():
+                dtype = dtypes.get(name, WeightDtype.FP32)
+                weights[name].copy_(rows if dtype == WeightDtype.FP32 else round_trip(rows, dtype.value))
+        try:
+            return self._run(self._service, split)
+        finally:
+            with torch.no_grad():
+                for name, rows in self._float_rows.items():
+                    weights[name].copy_(rows)
+
+    def _run(self, service: ScoringService, split: str) -> torch.Tensor:
+        """Click probabilities [items] of ``split``."""
+        data = self.splits[split]
+        self.evaluations += 1
+        logits: list[torch.Tensor] = []
+        for chunk in chunk_by_items(data.requests, self.spec.limits.max_items_per_forward):
+            logits += service.logits([data.requests[i] for i in chunk])
+        return torch.sigmoid(torch.cat(logits))
+
+    def _renumber(self, request: RequestInputs) -> RequestInputs:
+        """The request with each id replaced by its row in the probe's tables."""
+        tensors = dict(request.tensors)
+        for tag in input_schema(self.spec).tags:
+            if tag.kind not in (BatchKind.JAGGED, BatchKind.CONTEXT_JAGGED):
+                continue
+            ids: JaggedIds = tensors[tag.name]  # type: ignore[assignment]
+            parts = torch.split(ids.values, ids.lengths.sum(dim=1).tolist())
+            renumbered = [
+                torch.searchsorted(self.used_ids[self._table_of[feature]], part)
+                for feature, part in zip(tag.keys, parts)
+            ]
+            values = torch.cat(renumbered) if renumbered else ids.values
+            tensors[tag.name] = JaggedIds(ids.lengths, values, ids.weights)
+        return RequestInputs(request.num_items, tensors, request.item_counts)
+
+    @property
+    def _table_of(self) -> dict[str, str]:
+        return {f: t.name for t in self.spec.tables for f in t.features}
+
+
+def require_labels(data: ValidationData) -> list[list[int]]:
+    if data.labels is None:
+        raise ValidationDataError(f"{data.source}: planning needs labels (label or labels on every line)")
+    return data.labels
+
+
+def _decode(spec: ModelSpec, data: ValidationData) -> tuple[list[RequestInputs], torch.Tensor]:
+    """The data's requests as the model's inputs (ids checked or hashed as served), and its labels."""
+    labelled = require_labels(data)
+    decoder = RequestDecoder(input_schema(spec))
+    requests = []
+    for request, labels, origin in zip(data.requests, labelled, data.origins):
+        try:
+            inputs = decoder.decode(request).inputs
+        except Rejected as refusal:
+            raise ValidationDataError(f"{origin}: {refusal.error.message}") from None
+        if len(labels) != inputs.num_items:
+            raise ValidationDataError(
+                f"{origin}: labels: one label per item: the request has {inputs.num_items} items, got {len(labels)}"
+            )
+        requests.append(inputs)
+    return requests, torch.tensor([y for labels in labelled for y in labels])
+
+
+def _used_ids(spec: ModelSpec, requests: Sequence[RequestInputs]) -> dict[str, torch.Tensor]:
+    """Each table's ids looked up anywhere in ``requests``, sorted and distinct (int64)."""
+    table_of = {f: t.name for t in spec.tables for f in t.features}
+    found: dict[str, list[torch.Tensor]] = {t.name: [] for t in spec.tables}
+    for tag in input_schema(spec).tags:
+        if tag.kind not in (BatchKind.JAGGED, BatchKind.CONTEXT_JAGGED):
+            continue
+        for request in requests:
+            ids: JaggedIds = request.tensors[tag.name]  # type: ignore[assignment]
+            for feature, part in zip(tag.keys, torch.split(ids.values, ids.lengths.sum(dim=1).tolist())):
+                found[table_of[feature]].append(part)
+    return {
+        name: torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)
+        for name, parts in found.items()
+    }
+
+
+def _compact_model(compact: ModelSpec, float_model: nn.Module, used_ids: Mapping[str, torch.Tensor]) -> nn.Module:
+    """``compact``'s float model: ``float_model``'s dense layers, and per table the rows of its used ids."""
+    model = DLRMFactory(compact).float_model(seed=0)
+    tables = table_prefixes(float_model)
+    dense = {k: v for k, v in float_model.state_dict().items() if not k.startswith(tables)}
+    missing, unexpected = model.load_state_dict(dense, strict=False)
+    if unexpected or [k for k in missing if not k.startswith(table_prefixes(model))]:
+        raise ValueError(f"the probe's model does not take the float model's dense weights: {missing + unexpected}")
+    source = table_weights(float_model)
+    with torch.no_grad():
+        for name, weight in table_weights(model).items():
+            ids = used_ids[name]
+            if len(ids):
+                weight.copy_(source[name][ids])
+    return model.eval()

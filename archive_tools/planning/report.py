@@ -1,0 +1,179 @@
+"""What a plan leaves behind: the planned spec, a JSON report and a plot of bytes against accuracy.
+
+``NAME.plan.json``::
+
+    {"budget": {"max_auc_drop": 0.0005, "max_ne_increase": 0.002},
+     "float": {"plan": {"auc": ..., "log_loss": ..., "ne": ...}, "holdout": {...}},
+     "planned": {"table_bytes": ..., "auc_drop": ..., "ne_increase": ..., "max_abs_score_diff": ...,
+                 "within_budget": true},
+     "best_uniform": {"label": "all int8", "table_bytes": ..., ...},   # null when none meets the budget
+     "tables": [{"name": "t_user", "rows": 1000, "dim": 8, "rows_in_data": 731,
+                 "dtype_given": "int8", "dtype": "int4", "bytes_given": ..., "bytes": ...,
+                 "alone": {"fp16": {"auc_drop": ..., "ne_increase": ...}, ...}}, ...],
+     "uniform": [...], "moves": [...], "backed_off": [...], "evaluations": 93, "seconds": 41.2}
+
+AUC drops and NE increases are against the float model on the held-out data (``alone``: on the plan
+split); a negative drop is a gain.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import orjson  # noqa: E402
+
+from archive_tools.planning.search import PlanSearch, Point  # noqa: E402
+from archive_tools.verification import Quality  # noqa: E402
+from handlers.modeling.spec import ModelSpec, WeightDtype  # noqa: E402
+
+MIB = 2**20
+
+
+def planned_spec(spec: ModelSpec, found: PlanSearch) -> ModelSpec:
+    return spec.replace(
+        tables=[t.model_copy(update={"weight_dtype": found.planned.dtypes[t.name]}) for t in spec.tables]
+    )
+
+
+def best_uniform(found: PlanSearch) -> Point | None:
+    """The uniform dtype with the fewest table bytes that meets the budget on held-out data."""
+    return min((p for p in found.uniform if p.within_budget), key=lambda p: p.table_bytes, default=None)
+
+
+def report(spec: ModelSpec, found: PlanSearch, rows_in_data: dict[str, int], sources: dict[str, str]) -> dict[str, Any]:
+    sizes = {t.name: t for t in spec.tables}
+    best = best_uniform(found)
+    return {
+        "spec": spec.name,
+        "budget": {"max_auc_drop": found.budget.max_auc_drop, "max_ne_increase": found.budget.max_ne_increase},
+        "data": sources,
+        "float": {"plan": _quality(found.float_plan), "holdout": _quality(found.float_holdout)},
+        "planned": _point(found, found.planned),
+        "given": _point(found, found.given),
+        "best_uniform": None if best is None else _point(found, best),
+        "bytes_ratio_to_best_uniform": None if best is None else found.planned.table_bytes / best.table_bytes,
+        "tables": [
+            {
+                "name": name,
+                "rows": sizes[name].rows,
+                "dim": sizes[name].dim,
+                "rows_in_data": rows_in_data[name],
+                "dtype_given": found.given.dtypes[name].value,
+                "dtype": dtype.value,
+                "bytes_given": _bytes(found, name, found.given.dtypes[name]),
+                "bytes": _bytes(found, name, dtype),
+                "alone": {
+                    d.value: _change(found.float_plan, q)
+                    for (table, d), q in found.alone.items() if table == name
+                },
+            }
+            for name, dtype in found.planned.dtypes.items()
+        ],
+        "uniform": [_point(found, p) for p in found.uniform],
+        "moves": [
+            {"table": m.table, "from": m.before.value, "to": m.after.value, "saved_bytes": m.saved_bytes,
+             **_change(found.float_plan, m.plan_quality)}
+            for m in found.moves
+        ],
+        "backed_off": [{"table": m.table, "from": m.before.value, "to": m.after.value} for m in found.backed_off],
+        "evaluations": found.evaluations,
+        "seconds": found.seconds,
+        "stopped_early": found.stopped_early,
+    }
+
+
+def summary_lines(found: PlanSearch) -> list[str]:
+    planned, best = found.planned, best_uniform(found)
+    lines = [f"  {'table':<24}{'given':>7}{'planned':>9}{'bytes':>12}"]
+    lines += [
+        f"  {name:<24}{found.given.dtypes[name].value:>7}{dtype.value:>9}{_size(_bytes(found, name, dtype)):>12}"
+        for name, dtype in planned.dtypes.items()
+    ]
+    change = _change(found.float_holdout, planned.holdout)
+    lines.append(
+        f"planned: {_size(planned.table_bytes)} of tables (given spec {_size(found.given.table_bytes)}); on held-out data AUC drop "
+        f"{change['auc_drop']:.2e} (budget {found.budget.max_auc_drop:g}), NE increase "
+        f"{change['ne_increase']:.2e} (budget {found.budget.max_ne_increase:g}); scores move by up to "
+        f"{planned.max_abs_score_diff:.2e}"
+    )
+    if best is not None:
+        lines.append(
+            f"best uniform dtype meeting the budget: {best.label} ({_size(best.table_bytes)}); "
+            f"the plan is {planned.table_bytes / best.table_bytes:.2f}x its bytes"
+        )
+    else:
+        lines.append("no uniform dtype meets the budget on the held-out data")
+    if not planned.within_budget:
+        lines.append("the budget does not hold even with every table at its widest dtype (dense precision?)")
+    if found.backed_off:
+        lines.append(f"backed off {len(found.backed_off)} move(s) the held-out data did not bear")
+    if found.stopped_early:
+        lines.append("stopped at --max-minutes: some moves were not tried")
+    return lines
+
+
+def plot(found: PlanSearch, path: Path, title: str) -> None:
+    """Table bytes against the AUC drop and the NE increase on held-out data: each uniform dtype,
+    the given spec and the plan, with the budget."""
+    figure, panels = plt.subplots(1, 2, figsize=(11, 4.5))
+    reference = found.float_holdout
+    for axes, key, bound in (
+        (panels[0], "auc_drop", found.budget.max_auc_drop),
+        (panels[1], "ne_increase", found.budget.max_ne_increase),
+    ):
+        for point in found.uniform:
+            x, y = point.table_bytes / MIB, _change(reference, point.holdout)[key]
+            axes.plot(x, y, "o", color="tab:blue", markersize=7)
+            axes.annotate(point.label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        for point, style, color in ((found.given, "s", "tab:gray"), (found.planned, "*", "tab:red")):
+            axes.plot(point.table_bytes / MIB, _change(reference, point.holdout)[key], style, color=color,
+                      markersize=14 if style == "*" else 9, label=point.label, alpha=0.8)
+        axes.axhline(bound, linestyle="--", color="tab:red", linewidth=1, label="budget")
+        axes.set_xscale("log")
+        axes.set_xlabel("table bytes (MiB, log scale)")
+        axes.set_ylabel(f"{key.replace('_', ' ').replace('ne', 'NE').replace('auc', 'AUC')} vs float, held-out data")
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=8, loc="upper right")
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_report(data: dict[str, Any], path: Path) -> None:
+    path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+
+
+def _point(found: PlanSearch, point: Point) -> dict[str, Any]:
+    return {
+        "label": point.label,
+        "table_bytes": point.table_bytes,
+        **_change(found.float_holdout, point.holdout),
+        "max_abs_score_diff": point.max_abs_score_diff,
+        "holdout": _quality(point.holdout),
+        "within_budget": point.within_budget,
+    }
+
+
+def _change(reference: Quality, measured: Quality) -> dict[str, float]:
+    return {"auc_drop": reference.auc - measured.auc, "ne_increase": measured.ne - reference.ne}
+
+
+def _quality(quality: Quality) -> dict[str, float]:
+    return {"auc": quality.auc, "log_loss": quality.log_loss, "ne": quality.ne}
+
+
+def _bytes(found: PlanSearch, name: str, dtype: WeightDtype) -> int:
+    return found.table_bytes[(name, dtype)]
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} B"

@@ -1,0 +1,121 @@
+"""The planner: on a model trained on clicks with a known structure (``planning_model``), it gives the
+noise tables the smallest dtype, keeps the budget on held-out data as the served model computes it,
+and writes a spec the build accepts under the same budget."""
+
+import orjson
+import pytest
+import torch
+
+from archive_tools.build import build_archive
+from archive_tools.cli import main
+from archive_tools.model_config import ServingConfig
+from archive_tools.planning import split_validation
+from archive_tools.validation_data import read_validation
+from archive_tools.verification import Bounds, verify
+from handlers.modeling.eager import eager_service
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.registry import load_spec
+from handlers.modeling.spec import WeightDtype
+from tests.archive_tools.planning_model import NOISE, SIGNAL, Clicks, planning_spec, train
+
+AUC_BUDGET, NE_BUDGET = 0.0005, 0.002
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("plan")
+    spec = planning_spec()
+    spec.to_yaml(folder / "spec.yaml")
+    model = train(spec, Clicks(40_000, seed=1))
+    torch.save(model.state_dict(), folder / "trained.pt")
+    Clicks(16_000, seed=2).write_jsonl(folder / "clicks.jsonl")
+    code = main([
+        "plan", "--spec", str(folder / "spec.yaml"), "--checkpoint", str(folder / "trained.pt"),
+        "--data", str(folder / "clicks.jsonl"), "--max-auc-drop", str(AUC_BUDGET),
+        "--max-ne-increase", str(NE_BUDGET), "--out", str(folder / "out"),
+    ])
+    assert code == 0
+    return folder, model, orjson.loads((folder / "out" / "planned.plan.json").read_bytes())
+
+
+def test_noise_tables_get_the_smallest_dtype_and_signal_tables_keep_more_bits(planned):
+    folder, _, _ = planned
+    dtypes = {t.name: t.weight_dtype for t in load_spec(folder / "out" / "planned.planned.yaml").tables}
+    assert all(dtypes[name] == WeightDtype.INT2 for name in NOISE), dtypes
+    assert all(dtypes[name] != WeightDtype.INT2 for name in SIGNAL), dtypes
+
+
+def test_the_served_plan_keeps_the_budget_on_the_held_out_data_and_all_int2_does_not(planned):
+    """Independently of the planner: the planned spec's model, quantized by the factory from the
+    trained checkpoint, on the held-out requests (the same seeded split) against the float model."""
+    folder, model, report = planned
+    spec = planning_spec()
+    _, holdout = split_validation(read_validation(folder / "clicks.jsonl", spec), 0.3, seed=0)
+    bounds = Bounds(max_abs_score_diff=1.0, max_auc_drop=AUC_BUDGET, max_ne_increase=NE_BUDGET)
+    reference = eager_service(spec, model)
+
+    def served(planned_spec):
+        factory = DLRMFactory(planned_spec)
+        return eager_service(planned_spec, factory.inference_model(factory.quantize(model)))
+
+    plan_spec = load_spec(folder / "out" / "planned.planned.yaml")
+    checked = verify(served(plan_spec), reference, holdout, bounds)
+    assert checked.passed, checked.failures
+    drop = checked.reference.auc - checked.served.auc
+    assert drop == pytest.approx(report["planned"]["auc_drop"], abs=1e-5)
+    assert checked.max_abs_score_diff == pytest.approx(report["planned"]["max_abs_score_diff"], rel=1e-3)
+    all_int2 = spec.replace(tables=[t.model_copy(update={"weight_dtype": WeightDtype.INT2}) for t in spec.tables])
+    assert not verify(served(all_int2), reference, holdout, bounds).passed  # the budget binds
+
+
+def test_the_plan_takes_fewer_bytes_than_the_best_uniform_dtype(planned):
+    _, _, report = planned
+    best = report["best_uniform"]
+    assert best["label"] == "all int4" and best["within_budget"]
+    assert report["planned"]["table_bytes"] < best["table_bytes"]
+    assert report["bytes_ratio_to_best_uniform"] == report["planned"]["table_bytes"] / best["table_bytes"]
+    by_name = {t["name"]: t for t in report["tables"]}
+    assert set(by_name) == set(SIGNAL + NOISE)
+    assert sum(t["bytes"] for t in by_name.values()) == report["planned"]["table_bytes"]
+    assert by_name["t_ad"]["alone"]["int2"]["ne_increase"] > NE_BUDGET  # why the signal stays wider
+    assert (folder_png := planned[0] / "out" / "planned.plan.png").stat().st_size > 10_000, folder_png
+
+
+def test_the_build_gate_accepts_the_planned_spec_under_the_same_budget(planned, tmp_path):
+    folder, _, report = planned
+    archive = build_archive(
+        folder / "out" / "planned.planned.yaml", checkpoint=folder / "trained.pt", seed=0, name="planned",
+        version="1.0", model_store=tmp_path, serving=ServingConfig(), validation=folder / "clicks.jsonl",
+        bounds=Bounds(max_abs_score_diff=1.5 * report["planned"]["max_abs_score_diff"],
+                      max_auc_drop=AUC_BUDGET, max_ne_increase=NE_BUDGET),
+    )
+    assert archive.exists()
+
+
+def test_no_time_for_moves_leaves_every_table_at_its_widest_dtype(planned, tmp_path):
+    folder, _, _ = planned
+    code = main([
+        "plan", "--spec", str(folder / "spec.yaml"), "--checkpoint", str(folder / "trained.pt"),
+        "--data", str(folder / "clicks.jsonl"), "--max-minutes", "0", "--out", str(tmp_path),
+    ])
+    report = orjson.loads((tmp_path / "planned.plan.json").read_bytes())
+    assert code == 0 and report["stopped_early"] and report["moves"] == []
+    assert {t["dtype"] for t in report["tables"]} == {"fp32"}
+
+
+@pytest.mark.parametrize(
+    "change, code, message",
+    [
+        (["--max-auc-drop", "0"], 2, "a budget must be above 0"),
+        (["--data", "unlabelled"], 5, "planning needs labels"),
+        (["--holdout-share", "0.9999"], 5, "cannot be split"),
+    ],
+)
+def test_a_plan_that_cannot_run_says_why(planned, tmp_path, capsys, change, code, message):
+    folder, _, _ = planned
+    unlabelled = tmp_path / "unlabelled.jsonl"
+    unlabelled.write_bytes(b'{"items": [{"dense": [0.1, 0.2], "sparse": {"ad": [1], "user": [2], "noise_a": [3], "noise_b": [4]}}]}\n')
+    arguments = {"--spec": str(folder / "spec.yaml"), "--data": str(folder / "clicks.jsonl"), "--out": str(tmp_path)}
+    arguments.update({change[0]: str(unlabelled) if change[1] == "unlabelled" else change[1]})
+    assert main(["plan", *[part for pair in arguments.items() for part in pair]]) == code
+    assert message in capsys.readouterr().err
