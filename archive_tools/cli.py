@@ -217,9 +217,12 @@ def _plan(args: argparse.Namespace) -> int:
         holdout_path=args.holdout,
         holdout_share=args.holdout_share,
         max_minutes=args.max_minutes,
+        prune=args.prune,
+        counts_path=args.counts,
     )
-    for path in (outputs.spec, outputs.report, outputs.plot):
-        print(f"wrote {path}", file=sys.stderr)
+    for path in (outputs.spec, outputs.pruning, outputs.report, outputs.plot):
+        if path is not None:
+            print(f"wrote {path}", file=sys.stderr)
     weights = f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--seed {args.seed}"
     # The build's gate checks the plan again; a plan spends its budget on AUC and NE, so scores may
     # move by more than the gate's default --max-score-diff: half again what the held-out data showed.

@@ -197,6 +197,15 @@ def plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-ne-increase", type=float, default=0.002, help="budget: normalized entropy increase against the float model"
     )
+    parser.add_argument(
+        "--prune", action="store_true",
+        help="also prune each table's least used rows where the budget allows (their ids look up a zero row)",
+    )
+    parser.add_argument(
+        "--counts", type=Path,
+        help="with --prune: how often training looked each id up, a torch.save file of {table: int64 [rows]} "
+        "(default: the ids' counts in half of the plan split)",
+    )
     parser.add_argument("--max-minutes", type=float, default=None, help="stop trying moves after this long")
     parser.add_argument(
         "--out", type=Path, default=Path("plans"),

@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from archive_tools.export import package_constant
+from handlers.modeling import pruning
 from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.embedding_modules import table_weights
 from handlers.modeling.factory import DLRMFactory
@@ -183,6 +184,8 @@ def _base(path: Path) -> Iterator[_Base]:
 
 
 def _from_checkpoint(base: _Base, checkpoint: Path) -> Iterator[tuple[TableLayout, np.ndarray, np.ndarray]]:
+    """Rows whose served bytes differ between the archive and ``checkpoint``; a pruned table's
+    rows are those of its kept ids (a pruned id's new row is not served, so not sent)."""
     factory = DLRMFactory(base.spec)
     model = factory.float_model(seed=0)
     factory.load_checkpoint(model, read_checkpoint(checkpoint))
@@ -190,9 +193,11 @@ def _from_checkpoint(base: _Base, checkpoint: Path) -> Iterator[tuple[TableLayou
     with tqdm(total=sum(t.rows for t in base.layout.tables), desc="delta", unit="row", unit_scale=True) as bar:
         for table in base.layout.tables:
             old = table_rows(base.buffers[table.buffer], table)
+            kept = factory.kept.get(table.name)
             for start in range(0, table.rows, CHUNK_ROWS):
                 end = min(table.rows, start + CHUNK_ROWS)
-                new = served_rows(weights[table.name][start:end], table)
+                floats = weights[table.name]
+                new = served_rows(floats[start:end] if kept is None else floats[kept[start:end]], table)
                 changed = np.flatnonzero((new != old[start:end]).any(axis=1))
                 yield table, changed + start, new[changed]
                 bar.update(end - start)
@@ -211,7 +216,11 @@ def read_rows_file(path: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _from_rows(base: _Base, path: Path) -> Iterator[tuple[TableLayout, np.ndarray, np.ndarray]]:
+    """The rows file's rows, by id; a pruned table's ids become their rows, and a pruned id is
+    refused (it has no row to update)."""
     given = read_rows_file(path)
+    kept_ids = pruning.kept_ids(base.spec)
+    ids_of = {t.name: t.rows for t in base.spec.tables}
     for name, entry in given.items():
         table = base.layout.table(name)
         if table is None:
@@ -219,12 +228,22 @@ def _from_rows(base: _Base, path: Path) -> Iterator[tuple[TableLayout, np.ndarra
         ids, floats = torch.as_tensor(entry["ids"], dtype=torch.int64), torch.as_tensor(entry["rows"])
         if floats.shape != (len(ids), table.dim):
             raise InputError(f"{path}: {name}.rows must be [{len(ids)}, {table.dim}], got {list(floats.shape)}")
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= table.rows):
-            raise InputError(f"{path}: {name}.ids must lie in 0..{table.rows - 1}")
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= ids_of[name]):
+            raise InputError(f"{path}: {name}.ids must lie in 0..{ids_of[name] - 1}")
         ids, order = torch.sort(ids)  # a delta's ids are in order
         repeated = torch.nonzero(ids[1:] == ids[:-1]).flatten()
         if len(repeated):
             raise InputError(f"{path}: {name}.ids gives id {int(ids[repeated[0]])} more than once")
+        if name in kept_ids:
+            rows, found = pruning.rows_of(ids, kept_ids[name])
+            if not bool(found.all()):
+                pruned = int(ids[~found][0])
+                raise InputError(
+                    f"{path}: {name}.ids: id {pruned} was pruned from table {name} (it serves "
+                    f"{table.rows} of its {ids_of[name]} ids): a pruned id has no row to update; plan and "
+                    "build again to serve it"
+                )
+            ids = rows
         for start in range(0, len(ids), CHUNK_ROWS):
             chunk = slice(start, start + CHUNK_ROWS)
             yield table, ids[chunk].numpy(), served_rows(floats[order[chunk]], table)

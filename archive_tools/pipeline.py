@@ -36,7 +36,9 @@ from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import input_schema
 from handlers.modeling.spec import ModelSpec
 from handlers.modeling.weights import InferenceWeights
-from handlers.runtime.archive_files import HANDLER, HANDLERS, INPUTS, MANIFEST, MODEL_CONFIG, SPEC, VERIFICATION, WEIGHTS
+from handlers.runtime.archive_files import (
+    HANDLER, HANDLERS, INPUTS, MANIFEST, MODEL_CONFIG, PRUNING, SPEC, VERIFICATION, WEIGHTS,
+)
 from handlers.runtime.inputs import InputSchema
 from handlers.runtime.service import ScoringService
 
@@ -81,10 +83,14 @@ def stage_files(
     inputs: InputSchema | None = None,
     carry_code: bool = True,
 ) -> None:
-    """The archive's extra files: the handlers package, the spec, its architecture's record (and,
-    with ``carry_code``, a user's architecture package: its workers run TorchRec modules), its
-    inputs (``inputs``, or the spec's model's), the weights and where each table's rows lie in them."""
+    """The archive's extra files: the handlers package, the spec (and a pruned model's kept ids), its
+    architecture's record (and, with ``carry_code``, a user's architecture package: its workers run
+    TorchRec modules), its inputs (``inputs``, or the spec's model's), the weights and where each
+    table's rows lie in them."""
     shutil.copytree(HANDLERS_DIR, staging / HANDLERS, ignore=shutil.ignore_patterns("__pycache__"))
+    if spec.pruning is not None:  # the archive carries its pruned tables' kept ids
+        shutil.copyfile(spec.pruning, staging / PRUNING)
+        spec = spec.replace(pruning=PRUNING)
     spec.to_yaml(staging / SPEC)
     said = ArchitectureRecord.of(spec).stage(staging, carry_code)
     if said:

@@ -19,6 +19,7 @@ from handlers.runtime.archive import Archive
 from handlers.runtime.archive_files import SPEC, WEIGHTS
 from handlers.runtime.inputs import InputSchema
 from handlers.runtime.options import HandlerOptions
+from handlers.runtime.pruned_ids import PrunedIdCounter
 from handlers.runtime.remote.lookups import Shard, ShardCaller, ShardedLookups
 from handlers.runtime.remote.plan import RemotePlan, read_placement
 from handlers.runtime.service import ScoringService
@@ -44,7 +45,10 @@ def load_service(
     model_dir = Path(model_dir)
     schema = Archive(model_dir).inputs
     runner = load_runner(model_dir, schema, options, gpu_id, tables_file)
-    return ScoringService(schema, runner, model_name, threads_for=options.threads_for, model_version=model_version)
+    return ScoringService(
+        schema, runner, model_name, threads_for=options.threads_for, model_version=model_version,
+        pruned_ids=PrunedIdCounter.of_archive(model_dir, schema),
+    )
 
 
 def load_archive(archive: Archive) -> ScoringService:

@@ -9,6 +9,7 @@
 | ``HandlerStageMilliseconds`` | counter | ``Stage`` | time in decode, coalesce, forward, encode |
 | ``HandlerRejectedRequests`` | counter | ``Reason`` | 4xx answers, by ``BadRequest`` reason |
 | ``HandlerHashedIds`` | counter | | ids outside their table, hashed by the ``hash`` policy |
+| ``HandlerPrunedIds`` | counter | ``Table`` | ids of a pruned table that have no row (they look up a zero row) |
 | ``ShardCalls`` | counter | ``Shard``, ``Outcome`` | a dense host's calls to its embedding shards: ``ok`` or the gRPC status of a failed attempt |
 | ``ShardCallMilliseconds`` | counter | ``Shard`` | time in those calls; / ``ShardCalls`` = mean call time |
 
@@ -63,6 +64,8 @@ class MetricsPublisher:
             pending[("HandlerRejectedRequests", (("Reason", reason),))] += count
         if stats.hashed_ids:
             pending[("HandlerHashedIds", ())] += stats.hashed_ids
+        for table, count in stats.pruned_ids.items():
+            pending[("HandlerPrunedIds", (("Table", table),))] += count
         if time.monotonic() - self._last_flush >= self.flush_s:
             self.flush(context)
 

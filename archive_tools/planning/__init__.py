@@ -3,10 +3,16 @@
     torchrec-serve plan --spec criteo --checkpoint trained.pt --data eval.tsv --max-auc-drop 0.0005
 
 From a spec, its trained float model and labelled data, the planner measures how much each table
-loses in each smaller dtype, combines the choices that save the most bytes per unit of accuracy
-(``search``), checks the result on held-out data as the archive would serve it, and writes
-``NAME.planned.yaml`` (build it as any spec), ``NAME.plan.json`` (``report``) and ``NAME.plan.png``.
-All of it runs on the rows the data looks up (``probe``), so a table's size costs nothing but bytes.
+loses in each narrower dtype (and, with ``--prune``, with a share of its least used rows pruned:
+``choices``), combines the choices that save the most bytes per unit of accuracy (``search``),
+checks the result on held-out data as the archive would serve it, and writes ``NAME.planned.yaml``
+(build it as any spec), ``NAME.pruning.pt`` (the ids pruned tables keep), ``NAME.plan.json``
+(``report``) and ``NAME.plan.png``. All of it runs on the rows the data looks up (``probe``), so a
+table's size costs nothing but bytes.
+
+Which rows are least used: ``--counts FILE`` (``{table: int64 [rows]}``, how often training looked
+each id up), or else the ids' counts in the first half of the plan split (the whole plan split
+then measures what pruning the rest costs).
 """
 
 from __future__ import annotations
@@ -18,13 +24,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from archive_tools.planning.choices import Usage, read_counts
 from archive_tools.planning.probe import TableProbe, require_labels
 from archive_tools.planning.report import plot, planned_spec, report, summary_lines, write_report
 from archive_tools.planning.search import Budget, PlanSearch, search
 from archive_tools.validation_data import ValidationData, ValidationDataError, read_validation
 from handlers.modeling.checkpoint import read_checkpoint
+from handlers.modeling.errors import SpecError
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
+from handlers.runtime.errors import InputError
 
 __all__ = ["Budget", "PlanOutputs", "plan_tables", "split_validation"]
 
@@ -32,6 +41,7 @@ __all__ = ["Budget", "PlanOutputs", "plan_tables", "split_validation"]
 @dataclasses.dataclass(frozen=True)
 class PlanOutputs:
     spec: Path
+    pruning: Path | None  # the ids pruned tables keep (None: the plan prunes nothing)
     report: Path
     plot: Path
     search: PlanSearch
@@ -47,8 +57,14 @@ def plan_tables(
     holdout_path: Path | None = None,
     holdout_share: float = 0.3,
     max_minutes: float | None = None,
+    prune: bool = False,
+    counts_path: Path | None = None,
 ) -> PlanOutputs:
     spec = load_spec(spec_path)
+    if spec.pruning is not None:
+        raise SpecError(f"{spec_path}: pruning: plan the unpruned spec (its tables without pruned_to)")
+    if counts_path is not None and not prune:
+        raise InputError("--counts: the ids' counts choose the rows to prune; add --prune")
     factory = DLRMFactory(spec)
     model = factory.float_model(seed=seed)
     if checkpoint is not None:
@@ -62,12 +78,26 @@ def plan_tables(
     else:
         plan_data, holdout = split_validation(data, holdout_share, seed)
     probe = TableProbe(spec, model, {"plan": plan_data, "holdout": holdout})
-    found = search(spec, probe, budget, None if max_minutes is None else max_minutes * 60)
+    usage = None
+    if prune:
+        usage = Usage(read_counts(counts_path, spec) if counts_path is not None else probe.id_counts("plan", 0.5))
+    found = search(spec, probe, budget, usage, None if max_minutes is None else max_minutes * 60)
     out.mkdir(parents=True, exist_ok=True)
+    pruning = out / f"{spec.name}.pruning.pt"
+    planned = planned_spec(spec, found, pruning.name)
+    pruning.unlink(missing_ok=True)  # an earlier plan's
+    if planned.pruning is not None:
+        assert usage is not None  # only a plan with usage prunes
+        by_name = {t.name: t for t in spec.tables}
+        torch.save({
+            name: usage.kept_ids(by_name[name], choice.pruned_share)
+            for name, choice in found.planned.choices.items() if choice.pruned_share
+        }, pruning)
     outputs = PlanOutputs(
-        out / f"{spec.name}.planned.yaml", out / f"{spec.name}.plan.json", out / f"{spec.name}.plan.png", found
+        out / f"{spec.name}.planned.yaml", pruning if planned.pruning else None,
+        out / f"{spec.name}.plan.json", out / f"{spec.name}.plan.png", found,
     )
-    planned_spec(spec, found).to_yaml(outputs.spec)
+    planned.to_yaml(outputs.spec)
     outputs.spec.write_text(f"# {spec.name}'s tables planned by torchrec-serve plan: see {outputs.report.name}\n"
                             + outputs.spec.read_text())
     rows_in_data = {name: len(ids) for name, ids in probe.used_ids.items()}

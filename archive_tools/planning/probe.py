@@ -17,7 +17,8 @@ factory, as an archive serves it (dense precision included), for the final word.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import contextlib
+from typing import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -30,13 +31,14 @@ from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.row_formats import round_trip
 from handlers.modeling.spec import ModelSpec, WeightDtype
 from handlers.runtime.batching import chunk_by_items
-from handlers.runtime.inputs import BatchKind, JaggedIds, RequestInputs
+from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds, RequestInputs
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.decoder import RequestDecoder
 from handlers.runtime.wire.messages import Rejected
 from handlers.modeling.registry import input_schema
 
 Dtypes = Mapping[str, WeightDtype]  # table -> dtype; a table not named stays float
+Zeroed = Mapping[str, torch.Tensor]  # table -> bool [probe rows]: rows of pruned ids, served as zeros
 
 
 class _Split:
@@ -56,6 +58,8 @@ class TableProbe:
     def __init__(self, spec: ModelSpec, float_model: nn.Module, splits: Mapping[str, ValidationData]) -> None:
         decoded = {name: _decode(spec, data) for name, data in splits.items()}
         self.spec = spec
+        self._tags = _jagged_tags(spec)
+        self._table_of = {f: t.name for t in spec.tables for f in t.features}
         self.used_ids = _used_ids(spec, [r for requests, _ in decoded.values() for r in requests])
         self.compact_spec = spec.replace(
             tables=[t.model_copy(update={"rows": max(1, len(self.used_ids[t.name]))}) for t in spec.tables]
@@ -70,32 +74,56 @@ class TableProbe:
         self.evaluations = 0  # forwards over a whole split, for the report
         self._float_scores: dict[str, torch.Tensor] = {}
 
-    def quality(self, split: str, dtypes: Dtypes) -> Quality:
-        """The float model's quality on ``split`` with the named tables' rows as their dtype serves them."""
-        return quality(self._scores(split, dtypes), self.splits[split].labels)
+    def quality(self, split: str, dtypes: Dtypes, zeroed: Zeroed = {}) -> Quality:
+        """The float model's quality on ``split`` with the named tables' rows as their dtype serves
+        them, and ``zeroed`` rows zero."""
+        with self._rows(dtypes, zeroed):
+            return quality(self._run(self._service, split), self.splits[split].labels)
 
-    def served_quality(self, split: str, dtypes: Dtypes) -> tuple[Quality, float]:
+    def served_quality(self, split: str, dtypes: Dtypes, zeroed: Zeroed = {}) -> tuple[Quality, float]:
         """The served model's quality on ``split`` and its largest score difference from the float
         model's: tables quantized to ``dtypes`` (float where not named) by the factory, dense
-        layers in the spec's precision."""
+        layers in the spec's precision. A zero row quantizes to zeros, so ``zeroed`` rows serve
+        what a pruned table's kernels give its pruned ids."""
         spec = self.compact_spec.replace(
             tables=[t.model_copy(update={"weight_dtype": dtypes.get(t.name, WeightDtype.FP32)}) for t in self.compact_spec.tables]
         )
         factory = DLRMFactory(spec)
-        served = eager_service(spec, factory.inference_model(factory.quantize(self.model)))
+        with self._rows({}, zeroed):
+            served = eager_service(spec, factory.inference_model(factory.quantize(self.model)))
         scores = self._run(served, split)
         if split not in self._float_scores:
-            self._float_scores[split] = self._scores(split, {})
+            self._float_scores[split] = self._run(self._service, split)
         return quality(scores, self.splits[split].labels), float((scores - self._float_scores[split]).abs().max())
 
-    def _scores(self, split: str, dtypes: Dtypes) -> torch.Tensor:
+    def id_counts(self, split: str, share: float) -> dict[str, torch.Tensor]:
+        """How often each id is looked up in the first ``share`` of ``split``'s requests:
+        int64 [rows] per table."""
+        requests = self.splits[split].requests
+        counts = {name: torch.zeros(len(ids), dtype=torch.int64) for name, ids in self.used_ids.items()}
+        for request in requests[: max(1, round(len(requests) * share))]:
+            for tag, ids in _jagged(self._tags, request):
+                for feature, part in zip(tag.keys, torch.split(ids.values, ids.lengths.sum(dim=1).tolist())):
+                    table = self._table_of[feature]
+                    counts[table] += torch.bincount(part, minlength=len(counts[table]))
+        full = {}
+        for table in self.spec.tables:
+            full[table.name] = torch.zeros(table.rows, dtype=torch.int64)
+            full[table.name][self.used_ids[table.name]] = counts[table.name]
+        return full
+
+    @contextlib.contextmanager
+    def _rows(self, dtypes: Dtypes, zeroed: Zeroed) -> Iterator[None]:
+        """Within the block the model's tables hold their rows as ``dtypes`` serve them, ``zeroed`` zero."""
         weights = table_weights(self.model)
         with torch.no_grad():
             for name, rows in self._float_rows.items():
                 dtype = dtypes.get(name, WeightDtype.FP32)
                 weights[name].copy_(rows if dtype == WeightDtype.FP32 else round_trip(rows, dtype.value))
+                if name in zeroed:
+                    weights[name][zeroed[name]] = 0.0
         try:
-            return self._run(self._service, split)
+            yield
         finally:
             with torch.no_grad():
                 for name, rows in self._float_rows.items():
@@ -113,10 +141,7 @@ class TableProbe:
     def _renumber(self, request: RequestInputs) -> RequestInputs:
         """The request with each id replaced by its row in the probe's tables."""
         tensors = dict(request.tensors)
-        for tag in input_schema(self.spec).tags:
-            if tag.kind not in (BatchKind.JAGGED, BatchKind.CONTEXT_JAGGED):
-                continue
-            ids: JaggedIds = tensors[tag.name]  # type: ignore[assignment]
+        for tag, ids in _jagged(self._tags, request):
             parts = torch.split(ids.values, ids.lengths.sum(dim=1).tolist())
             renumbered = [
                 torch.searchsorted(self.used_ids[self._table_of[feature]], part)
@@ -125,10 +150,6 @@ class TableProbe:
             values = torch.cat(renumbered) if renumbered else ids.values
             tensors[tag.name] = JaggedIds(ids.lengths, values, ids.weights)
         return RequestInputs(request.num_items, tensors, request.item_counts)
-
-    @property
-    def _table_of(self) -> dict[str, str]:
-        return {f: t.name for t in self.spec.tables for f in t.features}
 
 
 def require_labels(data: ValidationData) -> list[list[int]]:
@@ -155,15 +176,23 @@ def _decode(spec: ModelSpec, data: ValidationData) -> tuple[list[RequestInputs],
     return requests, torch.tensor([y for labels in labelled for y in labels])
 
 
+def _jagged_tags(spec: ModelSpec) -> list[InputTag]:
+    return [t for t in input_schema(spec).tags if t.kind in (BatchKind.JAGGED, BatchKind.CONTEXT_JAGGED)]
+
+
+def _jagged(tags: Sequence[InputTag], request: RequestInputs) -> Iterator[tuple[InputTag, JaggedIds]]:
+    """The request's ids: each jagged input's tag (its keys: the features) and tensors."""
+    for tag in tags:
+        yield tag, request.tensors[tag.name]  # type: ignore[misc]
+
+
 def _used_ids(spec: ModelSpec, requests: Sequence[RequestInputs]) -> dict[str, torch.Tensor]:
     """Each table's ids looked up anywhere in ``requests``, sorted and distinct (int64)."""
     table_of = {f: t.name for t in spec.tables for f in t.features}
     found: dict[str, list[torch.Tensor]] = {t.name: [] for t in spec.tables}
-    for tag in input_schema(spec).tags:
-        if tag.kind not in (BatchKind.JAGGED, BatchKind.CONTEXT_JAGGED):
-            continue
-        for request in requests:
-            ids: JaggedIds = request.tensors[tag.name]  # type: ignore[assignment]
+    tags = _jagged_tags(spec)
+    for request in requests:
+        for tag, ids in _jagged(tags, request):
             for feature, part in zip(tag.keys, torch.split(ids.values, ids.lengths.sum(dim=1).tolist())):
                 found[table_of[feature]].append(part)
     return {

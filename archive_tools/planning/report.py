@@ -7,9 +7,12 @@
      "planned": {"table_bytes": ..., "auc_drop": ..., "ne_increase": ..., "max_abs_score_diff": ...,
                  "within_budget": true},
      "best_uniform": {"label": "all int8", "table_bytes": ..., ...},   # null when none meets the budget
+     "pruned_rows": 270,
      "tables": [{"name": "t_user", "rows": 1000, "dim": 8, "rows_in_data": 731,
-                 "dtype_given": "int8", "dtype": "int4", "bytes_given": ..., "bytes": ...,
-                 "alone": {"fp16": {"auc_drop": ..., "ne_increase": ...}, ...}}, ...],
+                 "dtype_given": "int8", "dtype": "int4", "pruned_share": 0.25, "pruned_rows": 250,
+                 "bytes_given": ..., "bytes": ...,
+                 "alone": {"fp16": {"auc_drop": ..., "ne_increase": ...},
+                           "fp32, 50% of rows pruned": {...}, ...}}, ...],
      "uniform": [...], "moves": [...], "backed_off": [...], "evaluations": 93, "seconds": 41.2}
 
 AUC drops and NE increases are against the float model on the held-out data (``alone``: on the plan
@@ -27,17 +30,23 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import orjson  # noqa: E402
 
+from archive_tools.planning.choices import pruned_rows  # noqa: E402
 from archive_tools.planning.search import PlanSearch, Point  # noqa: E402
 from archive_tools.verification import Quality  # noqa: E402
-from handlers.modeling.spec import ModelSpec, WeightDtype  # noqa: E402
+from handlers.modeling.spec import ModelSpec  # noqa: E402
 
 MIB = 2**20
 
 
-def planned_spec(spec: ModelSpec, found: PlanSearch) -> ModelSpec:
-    return spec.replace(
-        tables=[t.model_copy(update={"weight_dtype": found.planned.dtypes[t.name]}) for t in spec.tables]
-    )
+def planned_spec(spec: ModelSpec, found: PlanSearch, pruning: str | None) -> ModelSpec:
+    """The spec with the plan's choices: each table's dtype and, pruned, its ``pruned_to`` (the
+    kept ids in the file ``pruning``, relative to the spec)."""
+    tables = []
+    for t in spec.tables:
+        choice = found.planned.choices[t.name]
+        kept = t.rows - pruned_rows(t, choice.pruned_share) if choice.pruned_share else None
+        tables.append(t.model_copy(update={"weight_dtype": choice.dtype, "pruned_to": kept}))
+    return spec.replace(tables=tables, pruning=pruning if any(t.pruned_to for t in tables) else None)
 
 
 def best_uniform(found: PlanSearch) -> Point | None:
@@ -57,30 +66,30 @@ def report(spec: ModelSpec, found: PlanSearch, rows_in_data: dict[str, int], sou
         "given": _point(found, found.given),
         "best_uniform": None if best is None else _point(found, best),
         "bytes_ratio_to_best_uniform": None if best is None else found.planned.table_bytes / best.table_bytes,
+        "pruned_rows": sum(pruned_rows(sizes[n], c.pruned_share) for n, c in found.planned.choices.items()),
         "tables": [
             {
                 "name": name,
                 "rows": sizes[name].rows,
                 "dim": sizes[name].dim,
                 "rows_in_data": rows_in_data[name],
-                "dtype_given": found.given.dtypes[name].value,
-                "dtype": dtype.value,
-                "bytes_given": _bytes(found, name, found.given.dtypes[name]),
-                "bytes": _bytes(found, name, dtype),
-                "alone": {
-                    d.value: _change(found.float_plan, q)
-                    for (table, d), q in found.alone.items() if table == name
-                },
+                "dtype_given": found.given.choices[name].dtype.value,
+                "dtype": choice.dtype.value,
+                "pruned_share": choice.pruned_share,
+                "pruned_rows": pruned_rows(sizes[name], choice.pruned_share),
+                "bytes_given": found.sizes.of_table(name, found.given.choices[name]),
+                "bytes": found.sizes.of_table(name, choice),
+                "alone": {c.label: _change(found.float_plan, q) for (table, c), q in found.alone.items() if table == name},
             }
-            for name, dtype in found.planned.dtypes.items()
+            for name, choice in found.planned.choices.items()
         ],
         "uniform": [_point(found, p) for p in found.uniform],
         "moves": [
-            {"table": m.table, "from": m.before.value, "to": m.after.value, "saved_bytes": m.saved_bytes,
+            {"table": m.table, "from": m.before.label, "to": m.after.label, "saved_bytes": m.saved_bytes,
              **_change(found.float_plan, m.plan_quality)}
             for m in found.moves
         ],
-        "backed_off": [{"table": m.table, "from": m.before.value, "to": m.after.value} for m in found.backed_off],
+        "backed_off": [{"table": m.table, "from": m.before.label, "to": m.after.label} for m in found.backed_off],
         "evaluations": found.evaluations,
         "seconds": found.seconds,
         "stopped_early": found.stopped_early,
@@ -89,10 +98,11 @@ def report(spec: ModelSpec, found: PlanSearch, rows_in_data: dict[str, int], sou
 
 def summary_lines(found: PlanSearch) -> list[str]:
     planned, best = found.planned, best_uniform(found)
-    lines = [f"  {'table':<24}{'given':>7}{'planned':>9}{'bytes':>12}"]
+    lines = [f"  {'table':<24}{'given':>7}{'planned':>9}{'pruned':>8}{'bytes':>12}"]
     lines += [
-        f"  {name:<24}{found.given.dtypes[name].value:>7}{dtype.value:>9}{_size(_bytes(found, name, dtype)):>12}"
-        for name, dtype in planned.dtypes.items()
+        f"  {name:<24}{found.given.choices[name].dtype.value:>7}{choice.dtype.value:>9}"
+        f"{choice.pruned_share:>8.0%}{_size(found.sizes.of_table(name, choice)):>12}"
+        for name, choice in planned.choices.items()
     ]
     change = _change(found.float_holdout, planned.holdout)
     lines.append(
@@ -166,10 +176,6 @@ def _change(reference: Quality, measured: Quality) -> dict[str, float]:
 
 def _quality(quality: Quality) -> dict[str, float]:
     return {"auc": quality.auc, "log_loss": quality.log_loss, "ne": quality.ne}
-
-
-def _bytes(found: PlanSearch, name: str, dtype: WeightDtype) -> int:
-    return found.table_bytes[(name, dtype)]
 
 
 def _size(count: int) -> str:

@@ -1,16 +1,19 @@
-"""Choosing each table's dtype under an accuracy budget.
+"""Choosing each table's dtype (and, with ``usage``, a share of its rows to prune) under a budget.
 
-1. **Sensitivity.** Each table alone in each smaller dtype it can be served in (``fp16``, ``int8``,
-   ``int4``, ``int2``), every other table float: its AUC drop and NE increase on the plan split.
-   ``Budget.cost`` turns both into one number: 1.0 spends the whole budget.
-2. **Combine.** From all tables float, repeatedly take the move (one table to a smaller dtype) that
-   saves the most bytes per unit of cost measured alone, and measure the combination; keep it if
-   the plan split stays within ``PLAN_SHARE`` of the budget, else rule out that move and smaller
-   ones for the table. Every move either lowers a table or rules one out, so this ends.
+1. **Sensitivity.** Each table alone in each narrower dtype it can be served in (``fp16``,
+   ``int8``, ``int4``, ``int2``), and alone with each share of its least used rows pruned, every
+   other table float: its AUC drop and NE increase on the plan split. ``Budget.cost`` turns both
+   into one number: 1.0 spends the whole budget. A dtype and a pruning together are predicted to
+   cost what the two cost alone.
+2. **Combine.** From all tables float, repeatedly take the move (one table to a choice with fewer
+   bytes) that saves the most bytes per unit of cost measured alone, and measure the combination;
+   keep it if the plan split stays within ``PLAN_SHARE`` of the budget, else rule out that choice
+   and every choice beyond it for the table. Every move either lowers a table or rules choices
+   out, so this ends.
 3. **Hold out.** The combination, as the served model computes it (``TableProbe.served_quality``),
    on data it was not chosen on; while it breaks the budget, the last move taken is undone.
 
-The uniform dtypes (every table in one dtype) are measured the same way, for comparison.
+The uniform dtypes (every table in one dtype, unpruned) are measured the same way, for comparison.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import dataclasses
 import time
 from typing import Callable
 
+import torch
 from tqdm import tqdm
 
+from archive_tools.planning.choices import Choice, TableBytes, Usage, in_dtype, options, pruned_rows
 from archive_tools.planning.probe import TableProbe
 from archive_tools.verification import Quality
-from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.spec import ModelSpec, TableSpec, WeightDtype
+from handlers.modeling.spec import ModelSpec, WeightDtype
 
 PLAN_SHARE = 0.8  # of the budget the plan split may spend: the held-out data differs a little
 _FREE = 1e-3  # a move's cost counted as at least this share of the budget: ties go to the bigger saving
@@ -47,18 +51,18 @@ class Budget:
 @dataclasses.dataclass(frozen=True)
 class Move:
     table: str
-    before: WeightDtype
-    after: WeightDtype
+    before: Choice
+    after: Choice
     saved_bytes: int
     plan_quality: Quality  # of the whole combination once the move was taken
 
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-    """One assignment of dtypes to tables: its table bytes and its served quality on held-out data."""
+    """One choice per table: the tables' bytes and the served quality on held-out data."""
 
     label: str
-    dtypes: dict[str, WeightDtype]
+    choices: dict[str, Choice]
     table_bytes: int
     holdout: Quality
     max_abs_score_diff: float  # from the float model's scores, on held-out data
@@ -70,93 +74,116 @@ class PlanSearch:
     budget: Budget
     float_plan: Quality
     float_holdout: Quality
-    alone: dict[tuple[str, WeightDtype], Quality]  # one table in one dtype, on the plan split
+    alone: dict[tuple[str, Choice], Quality]  # one table in one dtype, or pruned, on the plan split
     moves: list[Move]  # taken, in order (after backing off)
     backed_off: list[Move]  # undone on the held-out data, last first
     planned: Point
     given: Point
     uniform: list[Point]
-    table_bytes: dict[tuple[str, WeightDtype], int]  # each table in each dtype it can be served in
+    sizes: TableBytes
     evaluations: int
     seconds: float
     stopped_early: bool  # --max-minutes ran out before every move was tried
 
 
-class TableBytes:
-    """Bytes of each table in each dtype as served (FBGEMM's row layout, alignment included)."""
+class _Settings:
+    """Choices -> what the probe takes: dtypes, and the probe rows of pruned ids (cached)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
-        self.bytes: dict[tuple[str, WeightDtype], int] = {}
-        for dtype in WeightDtype:
-            variant = spec.replace(tables=[_in(spec, t, dtype) for t in spec.tables])
-            served_as = {t.name: t.weight_dtype for t in variant.tables}
-            for table, size in DLRMFactory(variant).table_bytes().items():
-                self.bytes[(table, served_as[table])] = size
+    def __init__(self, spec: ModelSpec, probe: TableProbe, usage: Usage | None) -> None:
+        self.tables = {t.name: t for t in spec.tables}
+        self.probe = probe
+        self.usage = usage
+        self._zeroed: dict[tuple[str, float], torch.Tensor] = {}
 
-    def of(self, dtypes: dict[str, WeightDtype]) -> int:
-        return sum(self.bytes[(name, dtype)] for name, dtype in dtypes.items())
+    def __call__(self, choices: dict[str, Choice]) -> tuple[dict[str, WeightDtype], dict[str, torch.Tensor]]:
+        dtypes = {name: c.dtype for name, c in choices.items()}
+        return dtypes, {name: self.zeroed(name, c.pruned_share) for name, c in choices.items() if c.pruned_share}
+
+    def zeroed(self, name: str, share: float) -> torch.Tensor:
+        """bool [probe rows]: the rows of ids that ``share`` prunes from the table."""
+        if (name, share) not in self._zeroed:
+            assert self.usage is not None  # only pruned choices ask
+            table = self.tables[name]
+            ranks = self.usage.ranks(name, self.probe.used_ids[name])
+            self._zeroed[(name, share)] = ranks >= table.rows - pruned_rows(table, share)
+        return self._zeroed[(name, share)]
 
 
 def search(
     spec: ModelSpec,
     probe: TableProbe,
     budget: Budget,
+    usage: Usage | None = None,
     max_seconds: float | None = None,
     progress: Callable[..., tqdm] = tqdm,
 ) -> PlanSearch:
+    """``usage``: which rows are least used, for pruning (None: no table is pruned)."""
     started = time.monotonic()
     out_of_time = lambda: max_seconds is not None and time.monotonic() - started > max_seconds  # noqa: E731
     sizes = TableBytes(spec)
-    ladders = {t.name: spec.servable_dtypes(t) for t in spec.tables}
-    top = {name: ladder[0] for name, ladder in ladders.items()}
+    settings = _Settings(spec, probe, usage)
+    prunable = usage.tables() if usage is not None else set()
+    offered = {t.name: options(spec, t, t.name in prunable) for t in spec.tables}
+    top = {name: choices[0] for name, choices in offered.items()}
     float_plan = probe.quality("plan", {})
 
-    alone: dict[tuple[str, WeightDtype], Quality] = {}
-    steps = [(name, dtype) for name, ladder in ladders.items() for dtype in ladder[1:]]
-    for name, dtype in progress(steps, desc="plan: each table alone", unit="eval"):
+    alone: dict[tuple[str, Choice], Quality] = {}
+    steps = [  # every narrower dtype unpruned, every pruned share in the widest dtype
+        (name, c) for name, choices in offered.items() for c in choices[1:]
+        if c.dtype == top[name].dtype or not c.pruned_share
+    ]
+    for name, choice in progress(steps, desc="plan: each table alone", unit="eval"):
         if out_of_time():
             break
-        alone[(name, dtype)] = probe.quality("plan", {name: dtype})
+        alone[(name, choice)] = probe.quality("plan", *settings({name: choice}))
     stopped_early = len(alone) < len(steps)
 
-    def alone_cost(name: str, dtype: WeightDtype) -> float:
-        return 0.0 if dtype == top[name] else budget.cost(float_plan, alone[(name, dtype)])
+    def alone_cost(name: str, choice: Choice) -> float | None:
+        """The choice's predicted cost: its dtype's alone plus its pruning's alone (None: not measured)."""
+        total = 0.0
+        for part in (Choice(choice.dtype), Choice(top[name].dtype, choice.pruned_share)):
+            if part != top[name]:
+                if (name, part) not in alone:
+                    return None
+                total += budget.cost(float_plan, alone[(name, part)])
+        return total
 
     current = dict(top)
     moves: list[Move] = []
-    ruled_out: dict[str, int] = {name: len(ladder) for name, ladder in ladders.items()}  # ladder index
+    failed: dict[str, list[Choice]] = {name: [] for name in offered}
     bar = progress(desc="plan: combine", unit="eval", total=None)
     while not out_of_time():
         candidates = []
-        for name, ladder in ladders.items():
-            at = ladder.index(current[name])
-            for dtype in ladder[at + 1 : ruled_out[name]]:
-                if (name, dtype) not in alone:
+        for name, choices in offered.items():
+            now, cost_now = current[name], alone_cost(name, current[name])
+            for choice in choices:
+                if choice == now or not choice.beyond(now) or any(choice.beyond(f) for f in failed[name]):
                     continue
-                saved = sizes.bytes[(name, current[name])] - sizes.bytes[(name, dtype)]
-                if saved <= 0:  # FBGEMM's row alignment can make a narrower dtype no smaller
+                saved = sizes.of_table(name, now) - sizes.of_table(name, choice)
+                cost = alone_cost(name, choice)
+                if saved <= 0 or cost is None or cost_now is None:  # row alignment: a narrower dtype may be no smaller
                     continue
-                extra = max(alone_cost(name, dtype) - alone_cost(name, current[name]), _FREE)
-                candidates.append((saved / extra, saved, name, dtype))
+                candidates.append((saved / max(cost - cost_now, _FREE), saved, name, choice))
         if not candidates:
             break
-        _, saved, name, dtype = max(candidates, key=lambda c: (c[0], c[1]))
-        trial = {**current, name: dtype}
-        measured = probe.quality("plan", trial)
+        _, saved, name, choice = max(candidates, key=lambda c: (c[0], c[1]))
+        trial = {**current, name: choice}
+        measured = probe.quality("plan", *settings(trial))
         bar.update()
         if budget.cost(float_plan, measured) <= PLAN_SHARE:
-            moves.append(Move(name, current[name], dtype, saved, measured))
+            moves.append(Move(name, current[name], choice, saved, measured))
             current = trial
         else:
-            ruled_out[name] = ladders[name].index(dtype)
+            failed[name].append(choice)
     stopped_early = stopped_early or out_of_time()
     bar.close()
 
     float_holdout = probe.quality("holdout", {})  # the float model: what the build's gate compares with
 
-    def point(label: str, dtypes: dict[str, WeightDtype]) -> Point:
-        holdout, max_diff = probe.served_quality("holdout", dtypes)
-        return Point(label, dict(dtypes), sizes.of(dtypes), holdout, max_diff, budget.cost(float_holdout, holdout) <= 1.0)
+    def point(label: str, choices: dict[str, Choice]) -> Point:
+        holdout, max_diff = probe.served_quality("holdout", *settings(choices))
+        within = budget.cost(float_holdout, holdout) <= 1.0
+        return Point(label, dict(choices), sizes.of(choices), holdout, max_diff, within)
 
     backed_off: list[Move] = []
     planned = point("plan", current)
@@ -166,10 +193,10 @@ def search(
         current = {**current, undone.table: undone.before}
         planned = point("plan", current)
     uniform = [
-        point(f"all {dtype.value}", {t.name: _in(spec, t, dtype).weight_dtype for t in spec.tables})
+        point(f"all {dtype.value}", {t.name: Choice(in_dtype(spec, t, dtype).weight_dtype) for t in spec.tables})
         for dtype in progress(list(WeightDtype), desc="plan: uniform dtypes", unit="dtype")
     ]
-    given = point("given spec", {t.name: t.weight_dtype for t in spec.tables})
+    given = point("given spec", {t.name: Choice(t.weight_dtype) for t in spec.tables})
     return PlanSearch(
         budget=budget,
         float_plan=float_plan,
@@ -180,15 +207,8 @@ def search(
         planned=planned,
         given=given,
         uniform=uniform,
-        table_bytes=sizes.bytes,
+        sizes=sizes,
         evaluations=probe.evaluations,
         seconds=time.monotonic() - started,
         stopped_early=stopped_early,
     )
-
-
-def _in(spec: ModelSpec, table: TableSpec, dtype: WeightDtype) -> TableSpec:
-    """``table`` in ``dtype``, or in the smallest dtype wider than it that the table can be served in."""
-    ladder = spec.servable_dtypes(table)
-    wider = [d for d in ladder if list(WeightDtype).index(d) <= list(WeightDtype).index(dtype)]
-    return table.model_copy(update={"weight_dtype": wider[-1] if wider else ladder[0]})

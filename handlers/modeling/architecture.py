@@ -158,7 +158,7 @@ def _features(spec: Any) -> dict[str, Feature]:
         if table.pooling == Pooling.NONE:
             cap = table.max_sequence_length or spec.limits.max_ids_per_bag
         for name in table.features:
-            found[name] = Feature(name, table.rows, cap)
+            found[name] = Feature(name, table.rows, cap, table.name if table.pruned_to else None)
     return found
 
 

@@ -20,7 +20,7 @@ Modules the project cannot serve are refused by path and type.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -100,13 +100,14 @@ def sequence_configs(tables: Iterable[TableSpec], with_dtypes: bool = False) -> 
 
 def _config(table: TableSpec, with_dtypes: bool) -> dict:
     """What TorchRec's two table configs share: the float model's are fp32, the served ones
-    carry the spec's dtype."""
+    carry the spec's dtype and, pruned, the rows they keep."""
+    served = {"data_type": _TORCHREC_DTYPE[table.weight_dtype], "num_embeddings_post_pruning": table.pruned_to}
     return {
         "name": table.name,
         "num_embeddings": table.rows,
         "embedding_dim": table.dim,
         "feature_names": list(table.features),
-        "data_type": _TORCHREC_DTYPE[table.weight_dtype] if with_dtypes else DataType.FP32,
+        **(served if with_dtypes else {"data_type": DataType.FP32}),
     }
 
 
@@ -182,9 +183,12 @@ def check_collections(collections: list[Collection], spec: ModelSpec) -> None:
         raise SpecError(f"tables: {missing} are in the spec but in none of the model's embedding collections")
 
 
-def quantize_in_place(model: nn.Module, spec: ModelSpec, device: torch.device) -> list[Collection]:
+def quantize_in_place(
+    model: nn.Module, spec: ModelSpec, device: torch.device, remappings: Mapping[str, torch.Tensor] = {}
+) -> list[Collection]:
     """Replaces each float collection of ``model`` by TorchRec's quantized one (FBGEMM TBEs in the
-    spec's per-table dtypes, weights not allocated: ``tbe.deferred_tbe_weights``). Returns the
+    spec's per-table dtypes, weights not allocated: ``tbe.deferred_tbe_weights``); a pruned table
+    looks its ids up through its ``remappings`` entry (``pruning.remapping``). Returns the
     quantized collections."""
     floats = find_collections(model)  # checked against the spec as the factory built the model
     by_name = {t.name: t for t in spec.tables}
@@ -209,6 +213,8 @@ def quantize_in_place(model: nn.Module, spec: ModelSpec, device: torch.device) -
                     register_tbes=True,
                     row_alignment=tbe.ROW_ALIGNMENT,
                 )
+            for table_batch in tbe.tbes(module):
+                tbe.set_index_remappings(table_batch, remappings)
             _replace(model, collection.path, module)
             quantized.append(Collection(collection.path, module, collection.tables))
     return quantized

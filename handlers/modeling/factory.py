@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from handlers.modeling import checkpoint, tbe
+from handlers.modeling import checkpoint, pruning, tbe
 from handlers.modeling.dense_precision import apply_dense_precision
 from handlers.modeling.embedding_modules import (
     EmbeddingTables,
@@ -31,6 +31,7 @@ from handlers.modeling.embedding_modules import (
     find_collections,
     quantize_in_place,
     table_prefixes,
+    table_weights,
 )
 from handlers.modeling.errors import CheckpointError
 from handlers.modeling.registry import architecture_of, check_forward
@@ -47,7 +48,7 @@ from handlers.modeling.weights import (
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout, fingerprint
 
 from fbgemm_gpu.split_table_batched_embeddings_ops_inference import rounded_row_size_in_bytes  # isort: skip
-from torchrec.inference.modules import quantize_inference_model  # isort: skip
+from torchrec.inference.modules import quantize_inference_model, set_pruning_data  # isort: skip
 
 _QUANT_DTYPE = {
     WeightDtype.FP32: torch.float32,
@@ -70,6 +71,9 @@ class DLRMFactory:
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
         self.architecture = architecture_of(spec)
+        self.kept = pruning.kept_ids(spec)  # pruned tables' kept ids ({} when none is pruned)
+        by_name = {t.name: t for t in spec.tables}
+        self.remappings = {name: pruning.remapping(ids, by_name[name]) for name, ids in self.kept.items()}
 
     # -- float (training-shaped) model ------------------------------------------------------
 
@@ -95,10 +99,17 @@ class DLRMFactory:
     # -- served weights ------------------------------------------------------------------------
 
     def quantize(self, float_model: nn.Module) -> InferenceWeights:
-        """Quantizes each table to its spec dtype with TorchRec (FBGEMM row-wise quantization)."""
+        """Quantizes each table to its spec dtype with TorchRec (FBGEMM row-wise quantization); a
+        pruned table keeps the rows of its kept ids, in order."""
+        model = copy.deepcopy(float_model)
+        if self.kept:  # a pruned table's kept rows first: TorchRec quantizes the first pruned_to
+            weights = table_weights(model)
+            with torch.no_grad():
+                for name, ids in self.kept.items():
+                    weights[name][: len(ids)] = weights[name][ids].clone()
+            set_pruning_data(model, {t.name: t.pruned_to for t in self.spec.tables if t.pruned_to})
         quantized = quantize_inference_model(
-            copy.deepcopy(float_model),
-            per_table_weight_dtype={t.name: _QUANT_DTYPE[t.weight_dtype] for t in self.spec.tables},
+            model, per_table_weight_dtype={t.name: _QUANT_DTYPE[t.weight_dtype] for t in self.spec.tables}
         )
         tables = {
             name: (rows.clone(), None if scale_bias is None else scale_bias.clone())
@@ -239,7 +250,7 @@ class DLRMFactory:
         """The model with quantized tables whose weight buffers are not allocated yet."""
         # The float collections only give the model its shapes; on ``meta`` they allocate nothing.
         model = self._build(torch.device("meta"), device)
-        quantize_in_place(model, self.spec, device)
+        quantize_in_place(model, self.spec, device, self.remappings)
         return model
 
     def _attach_all(self, model: nn.Module, buffers: list[torch.Tensor]) -> None:
@@ -269,7 +280,7 @@ class DLRMFactory:
                 module.embedding_specs, module.split_embedding_weights()
             )
         ]
-        copy_table_rows(shards, tables, {t.name: t.rows for t in self.spec.tables})
+        copy_table_rows(shards, tables, {t.name: t.served_rows for t in self.spec.tables})
 
 
 def _table_views(model: nn.Module) -> dict[str, TableRows]:

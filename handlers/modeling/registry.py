@@ -135,7 +135,10 @@ def load_spec(path: str | Path) -> ModelSpec:
         raw = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as e:
         raise SpecError(f"{path}: not valid YAML: {e}") from e
-    return parse_spec(raw)
+    spec = parse_spec(raw)
+    if spec.pruning is not None and not Path(spec.pruning).is_absolute():  # relative to the spec's folder
+        spec = spec.replace(pruning=str(Path(path).resolve().parent / spec.pruning))
+    return spec
 
 
 def input_schema(spec: ModelSpec) -> InputSchema:

@@ -109,6 +109,11 @@ class TableSpec(_Section):
     weight_dtype: WeightDtype = Field(
         WeightDtype.INT8, description="served dtype (FBGEMM row-wise quantization for int8/int4/int2)"
     )
+    pruned_to: PositiveInt | None = Field(
+        None,
+        description="serve only this many rows: those of the ids the spec's pruning file keeps for this "
+        "table; every other id looks up a zero row",
+    )
     sharding: ShardingType = Field(ShardingType.AUTO, description="TorchRec inference sharding")
     shard: Name | None = Field(
         None,
@@ -116,10 +121,19 @@ class TableSpec(_Section):
         "serves this table; give every table one, or none",
     )
 
+    @property
+    def served_rows(self) -> int:
+        """Rows the served table holds: ``pruned_to`` when pruned."""
+        return self.pruned_to or self.rows
+
     @model_validator(mode="after")
     def _servable(self) -> "TableSpec":
         if self.name in _MODULE_DICT_ATTRIBUTES:
             raise ValueError(f"name: {self.name!r} is taken by TorchRec's module dict of tables; rename it")
+        if self.pruned_to is not None and self.pruned_to >= self.rows:
+            raise ValueError(f"pruned_to: must be below rows ({self.rows}) to prune any, got {self.pruned_to}")
+        if self.pruned_to is not None and self.pooling == Pooling.NONE:
+            raise ValueError("pruned_to: sequence tables (pooling none) are served unpruned")
         if self.max_sequence_length is not None and self.pooling != Pooling.NONE:
             raise ValueError("max_sequence_length: only for sequence tables (pooling: none)")
         per_byte = self.weight_dtype.values_per_byte
@@ -219,6 +233,11 @@ class ModelSpec(_Section):
     checkpoint_mapping: CheckpointMapping = Field(
         CheckpointMapping(), description="how trained checkpoint names map to the model's"
     )
+    pruning: StrictStr | None = Field(
+        None,
+        description="the ids each pruned table (tables[].pruned_to) keeps: a torch.save file of {table: "
+        "int64 ids, ascending}, as torchrec-serve plan --prune writes it; relative to the spec's folder",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "ModelSpec":
@@ -255,6 +274,16 @@ class ModelSpec(_Section):
                     f"1.8 inference sharding cannot shard {t.weight_dtype.value} tables), got "
                     f"{t.weight_dtype.value}"
                 )
+        pruned = [t.name for t in self.tables if t.pruned_to is not None]
+        if pruned and self.pruning is None:
+            raise ValueError(f"pruning: tables {pruned} are pruned (pruned_to): name the file of the ids they keep")
+        if self.pruning is not None and not pruned:
+            raise ValueError("pruning: no table is pruned (tables[].pruned_to)")
+        if pruned and self.is_sharded:
+            raise ValueError(
+                f"tables[{[t.name for t in self.tables].index(pruned[0])}].pruned_to: pruned tables are not "
+                "sharded with TorchRec; serve them whole, or on a distributed layout's shard"
+            )
         placed = [t.shard is not None for t in self.tables]
         if any(placed) and not all(placed):
             i = placed.index(False)
@@ -311,7 +340,8 @@ class ModelSpec(_Section):
     def shard_spec(self, shard: str) -> "ModelSpec":
         """The spec of one shard's lookups: its tables only, named ``<model>-<shard>``."""
         tables = self.shards[shard]
-        return self.replace(name=f"{self.name}-{shard}", tables=tables)
+        pruning = self.pruning if any(t.pruned_to is not None for t in tables) else None
+        return self.replace(name=f"{self.name}-{shard}", tables=tables, pruning=pruning)
 
     @property
     def min_requests(self) -> int:

@@ -20,8 +20,9 @@ Why each exists:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -114,6 +115,24 @@ def refresh_table_views(model: nn.Module) -> None:
             for (name, *_), (rows, *_) in zip(tbe.embedding_specs, views):
                 table = per_table[name]
                 table.weight = UInt4Tensor(rows) if isinstance(table.weight, UInt4Tensor) else rows
+
+
+def set_index_remappings(module: TBE, remappings: Mapping[str, torch.Tensor]) -> None:
+    """Pruned tables of ``module``: each id looks up the row ``remappings[table][id]`` (-1: none);
+    a table without one keeps its ids as rows. FBGEMM's own setter lays the remappings out per
+    table, but its lookup reads them per feature: a table with two features needs its remapping
+    twice, so the buffers are laid out here, one region per feature (none: ids pass through)."""
+    names = [spec[0] for spec in module.embedding_specs]
+    if not any(name in remappings for name in names):
+        return
+    per_feature = [remappings.get(names[t]) for t in module.feature_table_map]
+    sizes = [0 if remap is None else len(remap) for remap in per_feature]
+    module.index_remappings_array = torch.cat([r for r in per_feature if r is not None]).to(module.indices_dtype)
+    module.index_remappings_array_offsets = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
+    rows = [spec[1] for spec in module.embedding_specs]
+    module.original_rows_per_table = torch.tensor(
+        [size or rows[t] for size, t in zip(sizes, module.feature_table_map)], dtype=torch.int64
+    )
 
 
 def skip_bounds_checks(model: nn.Module) -> None:

@@ -32,6 +32,7 @@ INPUTS = "inputs.json"
 TABLES = "tables.json"
 VERIFICATION = "verification.json"
 WEIGHTS = "weights.pt"
+PRUNING = "pruning.pt"  # a pruned model's kept ids per table (handlers.modeling.pruning)
 HANDLERS = "handlers"
 HANDLER = "torchserve_handler.py"
 LOG_POINTER = "freshness-log.json"

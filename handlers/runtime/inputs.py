@@ -80,13 +80,15 @@ class Limits:
 
 @dataclasses.dataclass(frozen=True)
 class Feature:
-    """One sparse feature and the row count of the table it looks up; ``max_length``: the most
-    ids of one sequence, for a feature of a sequence (unpooled) table, else None (bags: the
-    limits' ``max_ids_per_bag``)."""
+    """One sparse feature and the row count of the table it looks up (its ids: ``0..rows-1``);
+    ``max_length``: the most ids of one sequence, for a feature of a sequence (unpooled) table,
+    else None (bags: the limits' ``max_ids_per_bag``); ``pruned_table``: the table's name where
+    it is pruned (some of its ids look up a zero row: ``handlers.runtime.pruned_ids``)."""
 
     name: str
     rows: int
     max_length: int | None = None
+    pruned_table: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ from handlers.runtime.artifacts import Runner
 from handlers.runtime.batching import chunk_by_items, coalesce, padding_request, split_outputs
 from handlers.runtime.errors import BadRequest, InternalError, ServingError
 from handlers.runtime.inputs import InputSchema, JaggedIds, Output, RequestInputs
+from handlers.runtime.pruned_ids import PrunedIdCounter
 from handlers.runtime.wire.decoder import RequestDecoder
 from handlers.runtime.wire.messages import Response
 
@@ -32,12 +33,14 @@ STAGES = ("decode", "coalesce", "forward", "encode")
 @dataclasses.dataclass(frozen=True)
 class BatchStats:
     """One batch: milliseconds spent in each of ``STAGES``, the items of each forward, the
-    requests refused by ``BadRequest`` reason, and the ids the out-of-range policy hashed."""
+    requests refused by ``BadRequest`` reason, the ids the out-of-range policy hashed, and per
+    pruned table the ids that looked up a zero row."""
 
     stage_ms: dict[str, float]
     forward_items: list[int]
     rejected: dict[str, int]
     hashed_ids: int
+    pruned_ids: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,8 @@ class ScoringService:
     quantization takes 2) is padded with empty requests, whose outputs are dropped; a batch with
     no id at all (every bag empty) gets one more request, holding one id.
     ``model_name``, ``model_version``: what answers carry where the protocol names the model; ``threads_for``:
-    the intra-op threads for a forward of so many items (None: leave torch's setting alone).
+    the intra-op threads for a forward of so many items (None: leave torch's setting alone);
+    ``pruned_ids``: counts the ids of pruned tables that have no row (a pruned model's).
     """
 
     def __init__(
@@ -80,8 +84,10 @@ class ScoringService:
         model_name: str | None = None,
         threads_for: Callable[[int], int] | None = None,
         model_version: str | None = None,
+        pruned_ids: PrunedIdCounter | None = None,
     ) -> None:
         self.schema = schema
+        self.pruned_ids = pruned_ids
         self.model = model
         self.decoder = RequestDecoder(schema, model_name, model_version)
         self.tags = schema.tags
@@ -100,6 +106,10 @@ class ScoringService:
             error = refusal.error
             rejected[error.reason if isinstance(error, BadRequest) else type(error).__name__] += 1
         parts = decoded.parts
+        pruned: collections.Counter[str] = collections.Counter()
+        if self.pruned_ids is not None:
+            for part in parts:
+                pruned.update(self.pruned_ids.count(part.inputs))
         forward_items = []
         for chunk in chunk_by_items([p.inputs for p in parts], max_items):
             forward_items.append(sum(parts[i].inputs.num_items for i in chunk))
@@ -127,6 +137,7 @@ class ScoringService:
             forward_items=forward_items,
             rejected=dict(rejected),
             hashed_ids=sum(p.hashed_ids for p in parts),
+            pruned_ids=dict(pruned),
         )
         return HandledBatch(responses, stats)  # type: ignore[arg-type]  # every index answered
 
