@@ -46,9 +46,8 @@ from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.eager import eager_service
 from handlers.modeling.errors import CheckpointError, SpecError
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.registry import load_spec
+from handlers.modeling.registry import archive_spec
 from handlers.runtime.archive import Archive
-from handlers.runtime.archive_files import SPEC
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.errors import InputError
 from handlers.runtime.split import SplitPlan
@@ -182,7 +181,7 @@ def _verify(args: argparse.Namespace) -> int:
     """The archive, loaded as a worker loads it, against the float model of its own spec with
     the given weights, on validation data."""
     with Archive.open(args.archive) as archive:
-        spec = load_spec(archive.file(SPEC))
+        spec = archive_spec(archive)
         factory = DLRMFactory(spec)
         reference_model = factory.float_model(seed=args.seed)
         if args.checkpoint is not None:

@@ -31,11 +31,11 @@ from handlers.modeling import pruning
 from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.embedding_modules import table_weights
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.registry import load_spec
+from handlers.modeling.registry import archive_spec
 from handlers.modeling.row_formats import encode_rows
 from handlers.modeling.spec import ModelSpec
 from handlers.runtime.archive import Archive, tables_file_name
-from handlers.runtime.archive_files import SPEC, TABLES, WEIGHTS, aoti_weights_file
+from handlers.runtime.archive_files import TABLES, WEIGHTS, aoti_weights_file
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.errors import InputError
 from handlers.runtime.freshness.delta_file import DeltaWriter, dense_shapes, read_delta
@@ -180,7 +180,7 @@ def _base(path: Path) -> Iterator[_Base]:
             why = tables_file_name(archive.options)[1] or f"no {TABLES}; rebuild it with this version"
             raise InputError(f"{path}: cannot take deltas: {why}")
         buffers = table_buffers(torch.load(archive.tables_file(), mmap=True, weights_only=True), layout.buffer_constants)
-        yield _Base(archive, load_spec(archive.file(SPEC)), layout, buffers)
+        yield _Base(archive, archive_spec(archive), layout, buffers)
 
 
 def _from_checkpoint(base: _Base, checkpoint: Path) -> Iterator[tuple[TableLayout, np.ndarray, np.ndarray]]:

@@ -42,11 +42,11 @@ from archive_tools.verification import Bounds
 from handlers.loading import dense_host_model, load_service
 from handlers.modeling.eager import EagerModel
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.registry import input_schema, load_spec, synthetic_request
+from handlers.modeling.registry import archive_spec, input_schema, load_spec, synthetic_request
 from handlers.modeling.spec import ModelSpec
 from handlers.modeling.weights import InferenceWeights, TableRows
 from handlers.runtime.archive import Archive
-from handlers.runtime.archive_files import INPUTS, SPEC, TABLES, WEIGHTS
+from handlers.runtime.archive_files import INPUTS, TABLES, WEIGHTS
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.batching import coalesce
 from handlers.runtime.errors import InputError
@@ -218,7 +218,7 @@ def split_delta(dense_archive: Path, rows: Path, sequence: int) -> list[DeltaSum
         shard_of = {}
         for route in options.remote.shards:
             with Archive.open(_archive_in(store, route.model)) as shard:
-                shard_of.update({t.name: route for t in load_spec(shard.file(SPEC)).tables})
+                shard_of.update({t.name: route for t in archive_spec(shard).tables})
         unknown = sorted(set(given) - set(shard_of))
         if unknown:
             raise InputError(f"{rows}: tables {unknown} are on no shard of the layout; it has {sorted(shard_of)}")

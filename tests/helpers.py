@@ -64,6 +64,21 @@ def with_tables(spec: ModelSpec, **changes) -> ModelSpec:
     return spec.replace(tables=[t.model_copy(update=changes) for t in spec.tables])
 
 
+# tiny's tables pruned: two summed ones and the mean-pooled one (rows kept of their rows)
+PRUNED_TINY = {"t_user": 300, "t_item": 200, "t_category": 20}
+
+
+def pruned(spec: ModelSpec, folder: Path, seed: int = 0) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """``spec`` with ``PRUNED_TINY``'s tables pruned to random kept ids (written to
+    ``folder/pruning.pt``), and those ids."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = {t.name: t.rows for t in spec.tables}
+    kept = {n: torch.randperm(rows[n], generator=generator)[:k].sort().values for n, k in PRUNED_TINY.items()}
+    torch.save(kept, folder / "pruning.pt")
+    tables = [t.model_copy(update={"pruned_to": PRUNED_TINY.get(t.name)}) for t in spec.tables]
+    return spec.replace(tables=tables, pruning=str(folder / "pruning.pt")), kept
+
+
 def sharded(spec: ModelSpec, world_size: int, sharding: ShardingType) -> ModelSpec:
     return with_tables(spec, sharding=sharding).replace(
         sharding=ShardingSpec(device="cpu", world_size=world_size)

@@ -30,6 +30,8 @@ from torch import nn
 from handlers.modeling.architecture import CONTRACT_VERSION, Architecture
 from handlers.modeling.errors import SpecError
 from handlers.modeling.spec import ModelSpec
+from handlers.runtime.archive import Archive
+from handlers.runtime.archive_files import PRUNING, SPEC
 from handlers.runtime.inputs import InputSchema
 
 DEFAULT_ARCHITECTURE = "dlrm"
@@ -139,6 +141,13 @@ def load_spec(path: str | Path) -> ModelSpec:
     if spec.pruning is not None and not Path(spec.pruning).is_absolute():  # relative to the spec's folder
         spec = spec.replace(pruning=str(Path(path).resolve().parent / spec.pruning))
     return spec
+
+
+def archive_spec(archive: Archive) -> ModelSpec:
+    """An archive's spec, with the files it names taken out of a ``.mar`` beside it."""
+    if archive.has(PRUNING):
+        archive.file(PRUNING)
+    return load_spec(archive.file(SPEC))
 
 
 def input_schema(spec: ModelSpec) -> InputSchema:

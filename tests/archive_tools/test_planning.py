@@ -119,3 +119,37 @@ def test_a_plan_that_cannot_run_says_why(planned, tmp_path, capsys, change, code
     arguments.update({change[0]: str(unlabelled) if change[1] == "unlabelled" else change[1]})
     assert main(["plan", *[part for pair in arguments.items() for part in pair]]) == code
     assert message in capsys.readouterr().err
+
+
+def test_pruning_drops_the_noise_tables_rows_and_the_served_pruned_plan_keeps_the_budget(planned, tmp_path):
+    """--prune, with counts from training: the noise tables lose most rows, the signal tables
+    (whose every id moves the click) keep theirs; built from the planned spec and its kept-ids
+    file by the factory, the model keeps the budget on the held-out requests."""
+    folder, model, _ = planned
+    spec = planning_spec()
+    training = Clicks(40_000, seed=1)
+    counts = {name: torch.bincount(torch.from_numpy(training.ids[name[2:]]), minlength=t.rows)
+              for t in spec.tables for name in [t.name]}
+    torch.save(counts, tmp_path / "counts.pt")
+    code = main([
+        "plan", "--spec", str(folder / "spec.yaml"), "--checkpoint", str(folder / "trained.pt"),
+        "--data", str(folder / "clicks.jsonl"), "--max-auc-drop", str(AUC_BUDGET),
+        "--max-ne-increase", str(NE_BUDGET), "--out", str(tmp_path), "--prune", "--counts", str(tmp_path / "counts.pt"),
+    ])
+    assert code == 0
+    report = orjson.loads((tmp_path / "planned.plan.json").read_bytes())
+    shares = {t["name"]: t["pruned_share"] for t in report["tables"]}
+    assert all(shares[name] >= 0.9 for name in NOISE) and all(shares[name] == 0 for name in SIGNAL), shares
+    assert report["pruned_rows"] == sum(t["pruned_rows"] for t in report["tables"]) > 0
+    plan_spec = load_spec(tmp_path / "planned.planned.yaml")
+    kept = torch.load(tmp_path / "planned.pruning.pt", weights_only=True)
+    for name in NOISE:  # the most used ids are kept
+        assert int(counts[name][kept[name]].min()) >= int(counts[name].sort(descending=True).values[len(kept[name]) - 1])
+    _, holdout = split_validation(read_validation(folder / "clicks.jsonl", spec), 0.3, seed=0)
+    factory = DLRMFactory(plan_spec)
+    served = eager_service(plan_spec, factory.inference_model(factory.quantize(model)))
+    checked = verify(served, eager_service(spec, model), holdout,
+                     Bounds(max_abs_score_diff=1.0, max_auc_drop=AUC_BUDGET, max_ne_increase=NE_BUDGET))
+    assert checked.passed, checked.failures
+    assert checked.reference.auc - checked.served.auc == pytest.approx(report["planned"]["auc_drop"], abs=1e-5)
+    assert report["planned"]["table_bytes"] < report["best_uniform"]["table_bytes"]

@@ -17,19 +17,27 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from archive_tools.build import build_archive
 from archive_tools.model_config import ServingConfig
+from archive_tools.verification import Bounds
 from archive_tools.local_server import LocalTorchServe
 from handlers.modeling.registry import load_spec
+from handlers.runtime.artifacts import Artifact
 from tests.conftest import CRITEO_SPEC, TINY_SPEC
-from tests.helpers import archive_service, items_request
+from tests.helpers import archive_service, items_request, pruned
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    """tiny.mar (reject policy) and criteo_small.mar (the Criteo shape, 1,000-row tables that hash
-    ids beyond them, as a Criteo 1TB client's ids are here)."""
+    """tiny.mar (reject policy), criteo_small.mar (the Criteo shape, 1,000-row tables that hash
+    ids beyond them, as a Criteo 1TB client's ids are here) and tiny_pruned.mar (three tables
+    pruned, an exported program)."""
     root = tmp_path_factory.mktemp("protocols")
+    tiny_pruned, _ = pruned(load_spec(TINY_SPEC).replace(name="tiny_pruned"), root)
+    tiny_pruned.to_yaml(root / "tiny_pruned.yaml")
+    build_archive(root / "tiny_pruned.yaml", checkpoint=None, seed=0, name=None, version="1.0",
+                  model_store=root / "model_store", serving=ServingConfig(batch_size=8, max_batch_delay_ms=50),
+                  artifact=Artifact.EXPORTED, bounds=Bounds(max_auc_drop=1.0, max_ne_increase=1.0))
     criteo = load_spec(CRITEO_SPEC)
     criteo = criteo.replace(
         name="criteo_small", tables=[t.model_copy(update={"rows": min(t.rows, 1000)}) for t in criteo.tables]
@@ -45,7 +53,7 @@ def store(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(store):
     with LocalTorchServe(model_store=store) as server:
-        for name in ("tiny", "criteo_small"):
+        for name in ("tiny", "criteo_small", "tiny_pruned"):
             assert server.register(f"{name}.mar").status_code == 200
         yield server
 
@@ -186,6 +194,29 @@ def test_hashed_ids_are_counted(server):
     assert server.predict("criteo_small", body).status_code == 200
     after = _metrics(server, "criteo_small").get(("HandlerHashedIds", ()), 0)
     assert after - before == 1 and spec.feature_names[0] == "cat_0"
+
+
+def test_a_pruned_model_serves_what_it_serves_in_process_and_counts_its_pruned_ids(server, store, tmp_path):
+    reference = archive_service(store / "tiny_pruned.mar")
+    spec = load_spec(TINY_SPEC)
+    _, kept = pruned(spec, tmp_path)  # the same seeded kept ids as the archive's
+    before = _metrics(server, "tiny_pruned")
+    bodies = [items_request(spec, 16, seed=s, max_bag=6) for s in range(3)]
+    for body in bodies:
+        response = server.predict("tiny_pruned", body)
+        assert response.status_code == 200, response.text
+        assert response.json()["scores"] == pytest.approx(_scores(reference, body), abs=1e-6)
+    table_of = {f: t.name for t in spec.tables for f in t.features}
+    expected = dict.fromkeys(kept, 0)
+    for body in bodies:
+        for item in body["items"]:
+            for feature, ids in item["sparse"].items():
+                if table_of[feature] in kept:
+                    expected[table_of[feature]] += int((~np.isin(ids, kept[table_of[feature]].numpy())).sum())
+    after = _metrics(server, "tiny_pruned")
+    counted = {t: after.get(("HandlerPrunedIds", (("Table", t),)), 0) - before.get(("HandlerPrunedIds", (("Table", t),)), 0)
+               for t in kept}
+    assert counted == expected and all(expected.values())
 
 
 def test_the_grafana_dashboard_plots_metrics_the_server_publishes(server, tiny_spec):
