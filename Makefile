@@ -2,6 +2,7 @@
 #   make demo   build the example archive, start TorchServe, register, score the example requests
 #   make test   run the whole test suite
 #   make bench SCENARIO=criteo   run a benchmark scenario (smoke, criteo, speed, reliability, freshness, ...); results in benchmarks/results/
+#                                (SCENARIO=plan DATA=FILE: the planner on a click log, a Criteo TSV)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -70,7 +71,7 @@ test: setup wrk
 	$(BIN)/python -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder --durations=10 tests
 
 bench: setup wrk
-	$(BIN)/torchrec-serve bench $(SCENARIO)
+	$(BIN)/torchrec-serve bench $(SCENARIO) $(if $(DATA),--data $(DATA))
 
 clean:
 	rm -rf $(VENV) model_store/*.mar

@@ -218,11 +218,13 @@ def _plan(args: argparse.Namespace) -> int:
         max_minutes=args.max_minutes,
         prune=args.prune,
         counts_path=args.counts,
+        quantized_init=args.init == "quantized",
     )
     for path in (outputs.spec, outputs.pruning, outputs.report, outputs.plot):
         if path is not None:
             print(f"wrote {path}", file=sys.stderr)
     weights = f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--seed {args.seed}"
+    weights += " --init quantized" if args.init == "quantized" else ""
     # The build's gate checks the plan again; a plan spends its budget on AUC and NE, so scores may
     # move by more than the gate's default --max-score-diff: half again what the held-out data showed.
     score_diff = max(Bounds.max_abs_score_diff, float(f"{outputs.search.planned.max_abs_score_diff * 1.5:.1e}"))
@@ -276,6 +278,7 @@ def _bench(args: argparse.Namespace) -> int:
     command += ["--out", str(args.out)] if args.out else []
     for trace in args.trace:
         command += ["--trace", trace]
+    command += ["--data", str(args.data)] if args.data else []
     return subprocess.call(command)
 
 

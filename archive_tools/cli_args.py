@@ -185,6 +185,11 @@ def plan_args(parser: argparse.ArgumentParser) -> None:
     weights.add_argument("--checkpoint", type=Path, help="trained float state dict (torch.save)")
     weights.add_argument("--seed", type=int, default=0, help="random weights from this seed (demo)")
     parser.add_argument(
+        "--init", choices=("float", "quantized"), default="float",
+        help="quantized: seeded random tables made in the spec's dtypes, never in float (a model too large "
+        "to hold in float); they are the reference, and tables can only be narrowed",
+    )
+    parser.add_argument(
         "--data", type=Path, required=True,
         help="labelled data: JSON lines (requests or item records with label/labels) or a Criteo TSV",
     )
@@ -235,3 +240,4 @@ def bench_args(parser: argparse.ArgumentParser) -> None:
         "--trace", action="append", default=[], metavar="WORKLOAD=FILE",
         help="replay a JSON-lines trace (one request body per line) instead of generated traffic",
     )
+    parser.add_argument("--data", type=Path, help="plan: the click log to plan on (a Criteo TSV)")

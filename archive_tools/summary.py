@@ -15,14 +15,15 @@ def spec_summary(spec: ModelSpec, factory: DLRMFactory) -> list[str]:
     lines = [
         f"spec {spec.name} ({spec.architecture}): {spec.dense_features} dense features, "
         f"{len(spec.feature_names)} sparse features in {len(spec.tables)} tables, "
-        f"{_size(total)} of tables served",
-        f"  {'table':<16}{'rows':>12}{'dim':>6}  {'dtype':<17}{'pooling':<15}{'served':>11}",
+        f"{human_size(total)} of tables served",
+        f"  {'table':<16}{'rows (kept/ids)':>20}{'dim':>6}  {'dtype':<17}{'pooling':<15}{'served':>11}",
     ]
     for table in spec.tables:
+        rows = f"{table.rows:,}" if table.pruned_to is None else f"{table.pruned_to:,}/{table.rows:,}"
         lines.append(
-            f"  {table.name:<16}{table.rows:>12,}{table.dim:>6}  "
+            f"  {table.name:<16}{rows:>20}{table.dim:>6}  "
             f"{_shown(table, 'weight_dtype'):<17}{_shown(table, 'pooling'):<15}"
-            f"{_size(table_bytes[table.name]):>11}"
+            f"{human_size(table_bytes[table.name]):>11}"
         )
     limits = spec.limits
     lines += [
@@ -41,7 +42,7 @@ def _shown(section: BaseModel, key: str) -> str:
     return f"{text}" if key in section.model_fields_set else f"{text} (default)"
 
 
-def _size(num_bytes: int) -> str:
+def human_size(num_bytes: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if num_bytes >= scale:
             return f"{num_bytes / scale:.1f} {unit}"

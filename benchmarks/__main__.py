@@ -1,4 +1,4 @@
-"""python -m benchmarks SCENARIO [--out DIR] [--trace WORKLOAD=FILE ...]
+"""python -m benchmarks SCENARIO [--out DIR] [--trace WORKLOAD=FILE ...] [--data FILE]
 
 Runs one scenario of ``benchmarks.scenarios`` against a local TorchServe and writes results.json,
 latency_vs_throughput.png, memory_by_table.png and summary.txt to DIR
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.distributed import DISTRIBUTED_SCENARIOS, run_distributed
+from benchmarks.plan import PLAN_SCENARIOS, run_plan
 from benchmarks.freshness import FRESHNESS_SCENARIOS, run_freshness
 from benchmarks.reliability import RELIABILITY_SCENARIOS, run_reliability
 from benchmarks.run import run
@@ -22,7 +23,7 @@ from benchmarks.speed import SPEED_SCENARIOS, run_speed
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
-    parser.add_argument("scenario", choices=sorted({*SCENARIOS, *SPEED_SCENARIOS, *RELIABILITY_SCENARIOS, *FRESHNESS_SCENARIOS, *DISTRIBUTED_SCENARIOS, *SEQUENCE_SCENARIOS}))
+    parser.add_argument("scenario", choices=sorted({*SCENARIOS, *SPEED_SCENARIOS, *RELIABILITY_SCENARIOS, *FRESHNESS_SCENARIOS, *DISTRIBUTED_SCENARIOS, *SEQUENCE_SCENARIOS, *PLAN_SCENARIOS}))
     parser.add_argument("--out", type=Path, help="output folder")
     parser.add_argument(
         "--trace",
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="WORKLOAD=FILE",
         help="replay a JSON-lines trace (one request body per line) instead of generated traffic",
     )
+    parser.add_argument("--data", type=Path, help="plan: the click log to plan on (a Criteo TSV)")
     args = parser.parse_args(argv)
     traces = {}
     for item in args.trace:
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         run_freshness(FRESHNESS_SCENARIOS[args.scenario], out)
     elif args.scenario in SEQUENCE_SCENARIOS:
         run_sequence(args.scenario, out)
+    elif args.scenario in PLAN_SCENARIOS:
+        run_plan(out, args.data)
     elif args.scenario in DISTRIBUTED_SCENARIOS:
         run_distributed(DISTRIBUTED_SCENARIOS[args.scenario], out)
     else:

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from archive_tools.planning.choices import Usage, read_counts
-from archive_tools.planning.probe import TableProbe, require_labels
+from archive_tools.planning.probe import FloatTables, ServedTables, TableProbe, Tables, require_labels
 from archive_tools.planning.report import plot, planned_spec, report, summary_lines, write_report
 from archive_tools.planning.search import Budget, PlanSearch, search
 from archive_tools.validation_data import ValidationData, ValidationDataError, read_validation
@@ -33,9 +33,10 @@ from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.errors import SpecError
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
+from handlers.modeling.spec import ModelSpec
 from handlers.runtime.errors import InputError
 
-__all__ = ["Budget", "PlanOutputs", "plan_tables", "split_validation"]
+__all__ = ["Budget", "FloatTables", "PlanOutputs", "ServedTables", "plan_model", "plan_tables", "split_validation"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,29 +60,60 @@ def plan_tables(
     max_minutes: float | None = None,
     prune: bool = False,
     counts_path: Path | None = None,
+    quantized_init: bool = False,
 ) -> PlanOutputs:
+    """``quantized_init``: seeded random tables made in the spec's dtypes, never in float (a model
+    too large to hold in float, as ``build --init quantized``): they are the reference, and each
+    table can only be narrowed."""
     spec = load_spec(spec_path)
     if spec.pruning is not None:
         raise SpecError(f"{spec_path}: pruning: plan the unpruned spec (its tables without pruned_to)")
     if counts_path is not None and not prune:
         raise InputError("--counts: the ids' counts choose the rows to prune; add --prune")
     factory = DLRMFactory(spec)
-    model = factory.float_model(seed=seed)
-    if checkpoint is not None:
-        note = factory.load_checkpoint(model, read_checkpoint(checkpoint))
-        if note:
-            tqdm.write(f"checkpoint {checkpoint}: {note}", file=sys.stderr)
+    if quantized_init:
+        if checkpoint is not None:
+            raise InputError("--init quantized makes random tables; it does not read --checkpoint")
+        tables: Tables = ServedTables(spec, factory.random_weights(seed))
+    else:
+        model = factory.float_model(seed=seed)
+        if checkpoint is not None:
+            note = factory.load_checkpoint(model, read_checkpoint(checkpoint))
+            if note:
+                tqdm.write(f"checkpoint {checkpoint}: {note}", file=sys.stderr)
+        tables = FloatTables(model)
     data = read_validation(data_path, spec)
     require_labels(data)
     if holdout_path is not None:
         plan_data, holdout = data, read_validation(holdout_path, spec)
     else:
         plan_data, holdout = split_validation(data, holdout_share, seed)
-    probe = TableProbe(spec, model, {"plan": plan_data, "holdout": holdout})
+    counts = read_counts(counts_path, spec) if counts_path is not None else None
+    return plan_model(spec, tables, plan_data, holdout, budget, out, prune, counts, max_minutes)
+
+
+def plan_model(
+    spec: ModelSpec,
+    tables: Tables,
+    plan_data: ValidationData,
+    holdout: ValidationData,
+    budget: Budget,
+    out: Path,
+    prune: bool = False,
+    counts: dict[str, torch.Tensor] | None = None,
+    max_minutes: float | None = None,
+) -> PlanOutputs:
+    """Plans ``spec``'s tables from ``tables`` (a float model's, or as served) on labelled data
+    and writes the outputs to ``out``; ``counts``: id counts per table for pruning (default: the
+    plan split's own)."""
+    require_labels(plan_data)
+    require_labels(holdout)
+    probe = TableProbe(spec, tables, {"plan": plan_data, "holdout": holdout})
     usage = None
     if prune:
-        usage = Usage(read_counts(counts_path, spec) if counts_path is not None else probe.id_counts("plan", 0.5))
-    found = search(spec, probe, budget, usage, None if max_minutes is None else max_minutes * 60)
+        usage = Usage(counts if counts is not None else probe.id_counts("plan", 0.5))
+    max_seconds = None if max_minutes is None else max_minutes * 60
+    found = search(spec, probe, budget, usage, max_seconds, widest=tables.widest)
     out.mkdir(parents=True, exist_ok=True)
     pruning = out / f"{spec.name}.pruning.pt"
     planned = planned_spec(spec, found, pruning.name)
@@ -102,7 +134,7 @@ def plan_tables(
                             + outputs.spec.read_text())
     rows_in_data = {name: len(ids) for name, ids in probe.used_ids.items()}
     sources = {"plan": plan_data.source, "holdout": holdout.source}
-    write_report(report(spec, found, rows_in_data, sources), outputs.report)
+    write_report(report(spec, found, rows_in_data, sources, probe.reference), outputs.report)
     plot(found, outputs.plot, f"{spec.name}: table bytes against accuracy")
     for line in summary_lines(found):
         tqdm.write(line, file=sys.stderr)

@@ -41,11 +41,16 @@ class Choice:
         return _WIDTH[self.dtype] >= _WIDTH[other.dtype] and self.pruned_share >= other.pruned_share
 
 
-def options(spec: ModelSpec, table: TableSpec, prune: bool) -> list[Choice]:
-    """Every choice for ``table``: each dtype it can be served in, each pruned share where it can
-    be pruned (a pooled table of a model not sharded by TorchRec)."""
+def options(spec: ModelSpec, table: TableSpec, prune: bool, widest: WeightDtype = WeightDtype.FP32) -> list[Choice]:
+    """Every choice for ``table``: each dtype it can be served in up to ``widest``, each pruned
+    share where it can be pruned (a pooled table of a model not sharded by TorchRec)."""
     shares = (0.0,) + (PRUNE_SHARES if prune and table.pooling != Pooling.NONE and not spec.is_sharded else ())
-    return [Choice(dtype, share) for dtype in spec.servable_dtypes(table) for share in shares]
+    dtypes = [d for d in spec.servable_dtypes(table) if _WIDTH[d] >= _WIDTH[widest]]
+    return [Choice(dtype, share) for dtype in dtypes for share in shares]
+
+
+def no_wider(dtype: WeightDtype, than: WeightDtype) -> bool:
+    return _WIDTH[dtype] >= _WIDTH[than]
 
 
 def pruned_rows(table: TableSpec, share: float) -> int:
@@ -80,6 +85,7 @@ class Usage:
 
     def __init__(self, counts: dict[str, torch.Tensor]) -> None:
         self._order = {}
+        self._rank: dict[str, torch.Tensor] = {}  # per table, each id's place in its order (int32)
         for name, count in counts.items():
             # a stable sort of -count keeps ids ascending among equal counts
             self._order[name] = torch.sort(-count.to(torch.int64), stable=True).indices
@@ -90,9 +96,11 @@ class Usage:
 
     def ranks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Each of ``ids``'s place in the table's order (0: the most used)."""
-        rank = torch.empty_like(self._order[table])
-        rank[self._order[table]] = torch.arange(len(rank))
-        return rank[ids]
+        if table not in self._rank:
+            order = self._order[table]
+            self._rank[table] = torch.empty(len(order), dtype=torch.int32)
+            self._rank[table][order] = torch.arange(len(order), dtype=torch.int32)
+        return self._rank[table][ids].long()
 
     def tables(self) -> set[str]:
         return set(self._order)

@@ -6,7 +6,7 @@ data uses (``TableSpec.rows`` becomes their count), and the data's ids renumbere
 quantization treats each row alone, so the probe's rows in any dtype are exactly the full table's
 served rows for those ids, and its scores are the full model's.
 
-    probe = TableProbe(spec, float_model, {"plan": plan_data, "holdout": holdout_data})
+    probe = TableProbe(spec, FloatTables(float_model), {"plan": plan_data, "holdout": holdout_data})
     probe.quality("plan", {"t_user": WeightDtype.INT4})       # float model, one table as int4
     probe.served_quality("holdout", dtypes)                    # the served model: quantized, dense precision
 
@@ -18,7 +18,7 @@ factory, as an archive serves it (dense precision included), for the final word.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -28,8 +28,9 @@ from archive_tools.verification import Quality, quality
 from handlers.modeling.eager import eager_service
 from handlers.modeling.embedding_modules import table_prefixes, table_weights
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.row_formats import round_trip
+from handlers.modeling.row_formats import decode_rows, round_trip
 from handlers.modeling.spec import ModelSpec, WeightDtype
+from handlers.modeling.weights import InferenceWeights
 from handlers.runtime.batching import chunk_by_items
 from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds, RequestInputs
 from handlers.runtime.service import ScoringService
@@ -55,7 +56,7 @@ class _Split:
 
 
 class TableProbe:
-    def __init__(self, spec: ModelSpec, float_model: nn.Module, splits: Mapping[str, ValidationData]) -> None:
+    def __init__(self, spec: ModelSpec, tables: "Tables", splits: Mapping[str, ValidationData]) -> None:
         decoded = {name: _decode(spec, data) for name, data in splits.items()}
         self.spec = spec
         self._tags = _jagged_tags(spec)
@@ -68,7 +69,8 @@ class TableProbe:
             name: _Split([self._renumber(r) for r in requests], labels, splits[name].source)
             for name, (requests, labels) in decoded.items()
         }
-        self.model = _compact_model(self.compact_spec, float_model, self.used_ids)
+        self.reference = tables.reference
+        self.model = _compact_model(self.compact_spec, tables, self.used_ids)
         self._float_rows = {name: w.detach().clone() for name, w in table_weights(self.model).items()}
         self._service = eager_service(self.compact_spec, self.model)
         self.evaluations = 0  # forwards over a whole split, for the report
@@ -201,18 +203,61 @@ def _used_ids(spec: ModelSpec, requests: Sequence[RequestInputs]) -> dict[str, t
     }
 
 
-def _compact_model(compact: ModelSpec, float_model: nn.Module, used_ids: Mapping[str, torch.Tensor]) -> nn.Module:
-    """``compact``'s float model: ``float_model``'s dense layers, and per table the rows of its used ids."""
+def _compact_model(compact: ModelSpec, tables: "Tables", used_ids: Mapping[str, torch.Tensor]) -> nn.Module:
+    """``compact``'s float model: the dense layers of ``tables``'s model, and per table the rows of its used ids."""
     model = DLRMFactory(compact).float_model(seed=0)
-    tables = table_prefixes(float_model)
-    dense = {k: v for k, v in float_model.state_dict().items() if not k.startswith(tables)}
-    missing, unexpected = model.load_state_dict(dense, strict=False)
+    missing, unexpected = model.load_state_dict(tables.dense, strict=False)
     if unexpected or [k for k in missing if not k.startswith(table_prefixes(model))]:
-        raise ValueError(f"the probe's model does not take the float model's dense weights: {missing + unexpected}")
-    source = table_weights(float_model)
+        raise ValueError(f"the probe's model does not take the model's dense weights: {missing + unexpected}")
     with torch.no_grad():
         for name, weight in table_weights(model).items():
             ids = used_ids[name]
             if len(ids):
-                weight.copy_(source[name][ids])
+                weight.copy_(tables.rows(name, ids))
     return model.eval()
+
+
+class Tables(Protocol):
+    """Where the probe's rows come from, and what the plan is measured against."""
+
+    reference: str  # what the reference model is, for the report
+    dense: dict[str, torch.Tensor]  # the model's float dense weights, by state-dict name
+    widest: dict[str, WeightDtype]  # per table the widest dtype a plan may choose (none named: fp32)
+
+    def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """float [len(ids), dim]: the table's rows of ``ids``."""
+        ...
+
+
+class FloatTables:
+    """A trained float model's tables: the plan is measured against the model as trained."""
+
+    reference = "the float model"
+    widest: dict[str, WeightDtype] = {}
+
+    def __init__(self, model: nn.Module) -> None:
+        self._weights = table_weights(model)
+        prefixes = table_prefixes(model)
+        self.dense = {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}
+
+    def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return self._weights[table][ids].detach()
+
+
+class ServedTables:
+    """Tables as served, for a model too large to hold in float: the plan is measured against
+    them, and can only narrow each table's dtype."""
+
+    def __init__(self, spec: ModelSpec, weights: InferenceWeights) -> None:
+        self._weights = weights.tables
+        self._tables = {t.name: t for t in spec.tables}
+        self.dense = weights.dense
+        self.widest = {t.name: t.weight_dtype for t in spec.tables}
+        dtypes = sorted({t.weight_dtype.value for t in spec.tables})
+        self.reference = f"the tables as the spec serves them ({', '.join(dtypes)}): the float model is not held"
+
+    def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        values, scale_bias = self._weights[table]
+        packed = values[ids] if scale_bias is None else torch.cat([scale_bias[ids], values[ids]], dim=1)
+        spec = self._tables[table]
+        return decode_rows(packed, spec.weight_dtype.value, spec.dim)

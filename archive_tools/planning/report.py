@@ -3,7 +3,8 @@
 ``NAME.plan.json``::
 
     {"budget": {"max_auc_drop": 0.0005, "max_ne_increase": 0.002},
-     "float": {"plan": {"auc": ..., "log_loss": ..., "ne": ...}, "holdout": {...}},
+     "reference": {"model": "the float model", "plan": {"auc": ..., "log_loss": ..., "ne": ...},
+                   "holdout": {...}},
      "planned": {"table_bytes": ..., "auc_drop": ..., "ne_increase": ..., "max_abs_score_diff": ...,
                  "within_budget": true},
      "best_uniform": {"label": "all int8", "table_bytes": ..., ...},   # null when none meets the budget
@@ -15,8 +16,9 @@
                            "fp32, 50% of rows pruned": {...}, ...}}, ...],
      "uniform": [...], "moves": [...], "backed_off": [...], "evaluations": 93, "seconds": 41.2}
 
-AUC drops and NE increases are against the float model on the held-out data (``alone``: on the plan
-split); a negative drop is a gain.
+AUC drops and NE increases are against the reference on the held-out data (``alone``: on the plan
+split); a negative drop is a gain. The reference is the float model, or for a model too large to
+hold in float (``--init quantized``) its tables as the given spec serves them.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 import orjson  # noqa: E402
 
 from archive_tools.planning.choices import pruned_rows  # noqa: E402
 from archive_tools.planning.search import PlanSearch, Point  # noqa: E402
+from archive_tools.summary import human_size  # noqa: E402
 from archive_tools.verification import Quality  # noqa: E402
 from handlers.modeling.spec import ModelSpec  # noqa: E402
 
@@ -54,14 +58,16 @@ def best_uniform(found: PlanSearch) -> Point | None:
     return min((p for p in found.uniform if p.within_budget), key=lambda p: p.table_bytes, default=None)
 
 
-def report(spec: ModelSpec, found: PlanSearch, rows_in_data: dict[str, int], sources: dict[str, str]) -> dict[str, Any]:
+def report(
+    spec: ModelSpec, found: PlanSearch, rows_in_data: dict[str, int], sources: dict[str, str], reference: str
+) -> dict[str, Any]:
     sizes = {t.name: t for t in spec.tables}
     best = best_uniform(found)
     return {
         "spec": spec.name,
         "budget": {"max_auc_drop": found.budget.max_auc_drop, "max_ne_increase": found.budget.max_ne_increase},
         "data": sources,
-        "float": {"plan": _quality(found.float_plan), "holdout": _quality(found.float_holdout)},
+        "reference": {"model": reference, "plan": _quality(found.float_plan), "holdout": _quality(found.float_holdout)},
         "planned": _point(found, found.planned),
         "given": _point(found, found.given),
         "best_uniform": None if best is None else _point(found, best),
@@ -101,19 +107,20 @@ def summary_lines(found: PlanSearch) -> list[str]:
     lines = [f"  {'table':<24}{'given':>7}{'planned':>9}{'pruned':>8}{'bytes':>12}"]
     lines += [
         f"  {name:<24}{found.given.choices[name].dtype.value:>7}{choice.dtype.value:>9}"
-        f"{choice.pruned_share:>8.0%}{_size(found.sizes.of_table(name, choice)):>12}"
+        f"{choice.pruned_share:>8.0%}{human_size(found.sizes.of_table(name, choice)):>12}"
         for name, choice in planned.choices.items()
     ]
     change = _change(found.float_holdout, planned.holdout)
     lines.append(
-        f"planned: {_size(planned.table_bytes)} of tables (given spec {_size(found.given.table_bytes)}); on held-out data AUC drop "
+        f"planned: {human_size(planned.table_bytes)} of tables (given spec {human_size(found.given.table_bytes)}); "
+        f"on held-out data AUC drop "
         f"{change['auc_drop']:.2e} (budget {found.budget.max_auc_drop:g}), NE increase "
         f"{change['ne_increase']:.2e} (budget {found.budget.max_ne_increase:g}); scores move by up to "
         f"{planned.max_abs_score_diff:.2e}"
     )
     if best is not None:
         lines.append(
-            f"best uniform dtype meeting the budget: {best.label} ({_size(best.table_bytes)}); "
+            f"best uniform dtype meeting the budget: {best.label} ({human_size(best.table_bytes)}); "
             f"the plan is {planned.table_bytes / best.table_bytes:.2f}x its bytes"
         )
     else:
@@ -122,6 +129,8 @@ def summary_lines(found: PlanSearch) -> list[str]:
         lines.append("the budget does not hold even with every table at its widest dtype (dense precision?)")
     if found.backed_off:
         lines.append(f"backed off {len(found.backed_off)} move(s) the held-out data did not bear")
+    if planned.label != "plan":
+        lines.append(f"the moves kept the budget in more bytes than one dtype for every table: {planned.label}")
     if found.stopped_early:
         lines.append("stopped at --max-minutes: some moves were not tried")
     return lines
@@ -145,6 +154,8 @@ def plot(found: PlanSearch, path: Path, title: str) -> None:
                       markersize=14 if style == "*" else 9, label=point.label, alpha=0.8)
         axes.axhline(bound, linestyle="--", color="tab:red", linewidth=1, label="budget")
         axes.set_xscale("log")
+        axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        axes.xaxis.set_minor_formatter(FuncFormatter(lambda x, _: f"{x:g}" if f"{x:g}"[0] in "25" else ""))
         axes.set_xlabel("table bytes (MiB, log scale)")
         axes.set_ylabel(f"{key.replace('_', ' ').replace('ne', 'NE').replace('auc', 'AUC')} vs float, held-out data")
         axes.grid(True, alpha=0.3)
@@ -176,10 +187,3 @@ def _change(reference: Quality, measured: Quality) -> dict[str, float]:
 
 def _quality(quality: Quality) -> dict[str, float]:
     return {"auc": quality.auc, "log_loss": quality.log_loss, "ne": quality.ne}
-
-
-def _size(count: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count} B"

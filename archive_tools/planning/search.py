@@ -13,19 +13,20 @@
 3. **Hold out.** The combination, as the served model computes it (``TableProbe.served_quality``),
    on data it was not chosen on; while it breaks the budget, the last move taken is undone.
 
-The uniform dtypes (every table in one dtype, unpruned) are measured the same way, for comparison.
+The uniform dtypes (every table in one dtype, unpruned) are measured the same way, for comparison;
+where one of them keeps the budget in fewer bytes than the combination, it is the plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from tqdm import tqdm
 
-from archive_tools.planning.choices import Choice, TableBytes, Usage, in_dtype, options, pruned_rows
+from archive_tools.planning.choices import Choice, TableBytes, Usage, in_dtype, no_wider, options, pruned_rows
 from archive_tools.planning.probe import TableProbe
 from archive_tools.verification import Quality
 from handlers.modeling.spec import ModelSpec, WeightDtype
@@ -116,14 +117,18 @@ def search(
     usage: Usage | None = None,
     max_seconds: float | None = None,
     progress: Callable[..., tqdm] = tqdm,
+    widest: Mapping[str, WeightDtype] = {},
 ) -> PlanSearch:
-    """``usage``: which rows are least used, for pruning (None: no table is pruned)."""
+    """``usage``: which rows are least used, for pruning (None: no table is pruned); ``widest``:
+    per table the widest dtype to consider (the reference's, where it is not float)."""
     started = time.monotonic()
     out_of_time = lambda: max_seconds is not None and time.monotonic() - started > max_seconds  # noqa: E731
     sizes = TableBytes(spec)
     settings = _Settings(spec, probe, usage)
     prunable = usage.tables() if usage is not None else set()
-    offered = {t.name: options(spec, t, t.name in prunable) for t in spec.tables}
+    offered = {
+        t.name: options(spec, t, t.name in prunable, widest.get(t.name, WeightDtype.FP32)) for t in spec.tables
+    }
     top = {name: choices[0] for name, choices in offered.items()}
     float_plan = probe.quality("plan", {})
 
@@ -192,11 +197,16 @@ def search(
         backed_off.append(undone)
         current = {**current, undone.table: undone.before}
         planned = point("plan", current)
+    narrow_enough = [d for d in WeightDtype if all(no_wider(d, than=w) for w in widest.values())]
     uniform = [
         point(f"all {dtype.value}", {t.name: Choice(in_dtype(spec, t, dtype).weight_dtype) for t in spec.tables})
-        for dtype in progress(list(WeightDtype), desc="plan: uniform dtypes", unit="dtype")
+        for dtype in progress(narrow_enough, desc="plan: uniform dtypes", unit="dtype")
     ]
     given = point("given spec", {t.name: Choice(t.weight_dtype) for t in spec.tables})
+    smaller = [p for p in uniform if p.within_budget and p.table_bytes < planned.table_bytes]
+    if smaller:  # the moves did not beat one dtype for every table: that is the plan
+        best = min(smaller, key=lambda p: p.table_bytes)
+        planned = dataclasses.replace(best, label=f"plan ({best.label})")
     return PlanSearch(
         budget=budget,
         float_plan=float_plan,
