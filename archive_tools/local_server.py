@@ -261,13 +261,16 @@ class LocalTorchServe:
 
     def scrape(self, model: str) -> str:
         """The Prometheus metrics text, with ``model``'s worker's counts up to now: its counts are
-        flushed, then scraped until two scrapes 0.1 s apart agree (the frontend reads the worker's
-        metric lines on a thread of its own)."""
+        flushed, then scraped until three scrapes 0.1 s apart agree on the model's lines (the
+        frontend reads the worker's metric lines on a thread of its own; its own host counters,
+        ``Requests2XX`` among them, count every scrape, so the whole text never agrees)."""
         self.flush_metrics(model)
-        text = ""
-        for _ in range(20):
-            previous, text = text, requests.get(f"{self.metrics_url}/metrics", timeout=30).text
-            if text == previous:
+        text, seen = "", []
+        label = f'ModelName="{model}"'
+        for _ in range(30):
+            text = requests.get(f"{self.metrics_url}/metrics", timeout=30).text
+            seen.append([line for line in text.splitlines() if label in line])
+            if len(seen) >= 3 and seen[-1] == seen[-2] == seen[-3]:  # unchanged for 0.2 s
                 break
             time.sleep(0.1)
         return text
