@@ -92,7 +92,7 @@ def test_the_build_gate_accepts_the_planned_spec_under_the_same_budget(planned, 
     assert archive.exists()
 
 
-def test_no_time_for_moves_leaves_every_table_at_its_widest_dtype(planned, tmp_path):
+def test_with_no_time_for_moves_the_plan_is_the_best_uniform_dtype(planned, tmp_path):
     folder, _, _ = planned
     code = main([
         "plan", "--spec", str(folder / "spec.yaml"), "--checkpoint", str(folder / "trained.pt"),
@@ -100,7 +100,8 @@ def test_no_time_for_moves_leaves_every_table_at_its_widest_dtype(planned, tmp_p
     ])
     report = orjson.loads((tmp_path / "planned.plan.json").read_bytes())
     assert code == 0 and report["stopped_early"] and report["moves"] == []
-    assert {t["dtype"] for t in report["tables"]} == {"fp32"}
+    assert report["planned"]["label"] == f"plan ({report['best_uniform']['label']})"
+    assert {t["dtype"] for t in report["tables"]} == {report["best_uniform"]["label"].removeprefix("all ")}
 
 
 @pytest.mark.parametrize(

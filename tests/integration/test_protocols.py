@@ -19,6 +19,8 @@ from archive_tools.build import build_archive
 from archive_tools.model_config import ServingConfig
 from archive_tools.verification import Bounds
 from archive_tools.local_server import LocalTorchServe
+from handlers.modeling.eager import eager_service
+from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
 from handlers.runtime.artifacts import Artifact
 from tests.conftest import CRITEO_SPEC, TINY_SPEC
@@ -196,10 +198,13 @@ def test_hashed_ids_are_counted(server):
     assert after - before == 1 and spec.feature_names[0] == "cat_0"
 
 
-def test_a_pruned_model_serves_what_it_serves_in_process_and_counts_its_pruned_ids(server, store, tmp_path):
-    reference = archive_service(store / "tiny_pruned.mar")
+def test_a_pruned_model_serves_what_the_eager_model_scores_and_counts_its_pruned_ids(server, tmp_path):
+    """The exported program (FBGEMM's index remapping inside the graph) through TorchServe, against
+    the factory's eager model of the same spec and seed in process."""
     spec = load_spec(TINY_SPEC)
-    _, kept = pruned(spec, tmp_path)  # the same seeded kept ids as the archive's
+    pruned_spec, kept = pruned(spec, tmp_path)  # the same seeded kept ids as the archive's
+    factory = DLRMFactory(pruned_spec)
+    reference = eager_service(pruned_spec, factory.inference_model(factory.quantize(factory.float_model(seed=0))))
     before = _metrics(server, "tiny_pruned")
     bodies = [items_request(spec, 16, seed=s, max_bag=6) for s in range(3)]
     for body in bodies:

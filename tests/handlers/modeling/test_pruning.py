@@ -1,7 +1,7 @@
 """Pruned tables (``tables[].pruned_to``): the served model looks up the kept ids' rows and a zero
-row for every other id, in every artifact (FBGEMM's index remapping runs inside the graph);
-pruned ids are counted per table; the kept-ids file is checked against the spec; deltas address
-ids and refuse pruned ones."""
+row for every other id; pruned ids are counted per table; the kept-ids file is checked against
+the spec; deltas address ids and refuse pruned ones. (An exported program, FBGEMM's remapping
+inside the graph, is served through TorchServe in ``tests/integration/test_protocols.py``.)"""
 
 import numpy as np
 import pytest
@@ -16,11 +16,10 @@ from handlers.modeling.errors import SpecError
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import input_schema, parse_spec
 from handlers.modeling.spec import WeightDtype
-from handlers.runtime.artifacts import Artifact
 from handlers.runtime.errors import InputError
 from handlers.runtime.pruned_ids import PrunedIdCounter
 from handlers.runtime.wire.decoder import RequestDecoder
-from tests.helpers import PRUNED_TINY, archive_service, forward, items_request, model_inputs, pruned, with_tables
+from tests.helpers import PRUNED_TINY, forward, items_request, model_inputs, pruned, with_tables
 
 
 def _zeroed(model, kept):
@@ -48,22 +47,6 @@ def test_a_pruned_table_serves_its_kept_rows_and_a_zero_row_for_other_ids(tiny_s
     assert (scores - expected).abs().max() < 1e-5
     assert (scores - unpruned).abs().max() > 1e-3  # the pruning shows
     assert factory.table_bytes()["t_user"] == PRUNED_TINY["t_user"] * 8 * 4
-
-
-def test_every_artifact_serves_what_eager_serves(tiny_spec, tmp_path):
-    spec, _ = pruned(tiny_spec, tmp_path)
-    spec.to_yaml(tmp_path / "tiny.yaml")
-    requests = [items_request(spec, 64, seed=s, max_bag=8) for s in range(3)]
-    scores = {}
-    for artifact in ("eager", "exported"):
-        archive = build_archive(
-            tmp_path / "tiny.yaml", checkpoint=None, seed=0, name=f"tiny-{artifact}", version="1.0",
-            model_store=tmp_path / "store", serving=ServingConfig(), artifact=Artifact(artifact),
-            bounds=Bounds(max_auc_drop=1.0, max_ne_increase=1.0),
-        )
-        service = archive_service(archive)
-        scores[artifact] = torch.cat([torch.cat(service.logits([service.decoder.decode(r).inputs])) for r in requests])
-    assert torch.equal(scores["exported"], scores["eager"])
 
 
 def test_pruned_ids_are_counted_per_table(tiny_spec, tmp_path):
