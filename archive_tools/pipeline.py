@@ -89,7 +89,7 @@ def stage_files(
     table's rows lie in them."""
     shutil.copytree(HANDLERS_DIR, staging / HANDLERS, ignore=shutil.ignore_patterns("__pycache__"))
     if spec.pruning is not None:  # the archive carries its pruned tables' kept ids
-        shutil.copyfile(spec.pruning, staging / PRUNING)
+        torch.save(factory.kept, staging / PRUNING)
         spec = spec.replace(pruning=PRUNING)
     spec.to_yaml(staging / SPEC)
     said = ArchitectureRecord.of(spec).stage(staging, carry_code)

@@ -26,11 +26,14 @@ def kept_ids(spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Each pruned table's kept ids (int64, ascending), checked against the spec; {} unpruned."""
     if spec.pruning is None:
         return {}
-    return _read(Path(spec.pruning), tuple((t.name, t.rows, t.pruned_to) for t in spec.tables if t.pruned_to))
+    unpruned = tuple(t.name for t in spec.tables if not t.pruned_to)
+    return _read(Path(spec.pruning), tuple((t.name, t.rows, t.pruned_to) for t in spec.tables if t.pruned_to), unpruned)
 
 
 @functools.lru_cache(maxsize=4)
-def _read(path: Path, tables: tuple[tuple[str, int, int], ...]) -> dict[str, torch.Tensor]:
+def _read(path: Path, tables: tuple[tuple[str, int, int], ...], unpruned: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The kept ids of ``tables`` (name, rows, pruned_to); the file may hold other models' tables
+    (a distributed layout's other shards), not one of ``unpruned``."""
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -50,7 +53,7 @@ def _read(path: Path, tables: tuple[tuple[str, int, int], ...]) -> dict[str, tor
         if len(ids) and (int(ids[0]) < 0 or int(ids[-1]) >= rows or not bool((ids[1:] > ids[:-1]).all())):
             raise SpecError(f"{where}: ids must be distinct, ascending and in 0..{rows - 1}")
         kept[name] = ids
-    extra = sorted(set(saved) - set(kept))
+    extra = sorted(set(saved) & set(unpruned))
     if extra:
         raise SpecError(f"pruning: {path}: tables {extra} are not pruned in the spec (tables[].pruned_to)")
     return kept
