@@ -10,7 +10,7 @@ import math
 import os
 import signal
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import requests
 
@@ -92,12 +92,14 @@ def scale_down_trials(
 
 
 def version_swap(
-    server: LocalTorchServe, name: str, url: str, auth: dict, traffic: Traffic, rate: float
+    server: LocalTorchServe, name: str, url: str, auth: dict, traffic: Traffic, rate: float, **register: Any
 ) -> tuple[LoadResult, float]:
+    """Version 2.0 registered (with ``register``'s options), made the default, 1.0 unregistered,
+    under load."""
     with BackgroundLoad(url, auth, traffic, rate) as load:
         time.sleep(1.0)
         started = time.perf_counter()
-        ok(server.register(f"{name}-v2.mar", initial_workers=1))
+        ok(server.register(f"{name}-v2.mar", initial_workers=1, **register))
         ok(server.management("PUT", f"/models/{name}/2.0/set-default"))
         ok(server.management("DELETE", f"/models/{name}/1.0"))
         time.sleep(1.0)

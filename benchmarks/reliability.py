@@ -82,6 +82,13 @@ class ReliabilityScenario:
     # which can take back a core the search had
     load_scale: float = 1.0
     skip: frozenset[str] = frozenset()  # phases left out: hang, scale_down, overload, token_expiry, register_during_load
+    # the serving model's admission wait target (None: the plugin's default, a few batch times);
+    # the smoke runs beside test files that compile and start workers, which can stall the server
+    max_queue_wait_ms: int | None = None
+
+    @property
+    def admission(self) -> dict[str, int]:
+        return {} if self.max_queue_wait_ms is None else {"max_queue_wait_ms": self.max_queue_wait_ms}
 
 
 RELIABILITY_SCENARIOS = {
@@ -94,7 +101,7 @@ RELIABILITY_SCENARIOS = {
         "reliability-smoke", MODELS / "tiny.yaml", (),
         soak_s=4.0, phase_s=2.0, scale_trials=1, fuzz_cases=100, overload_s=2.0,
         log_s=2.0, log_rate=200.0, candidate_features=("item_id",), load_step=0.25, token_lifetimes=4,
-        load_scale=0.5,
+        load_scale=0.5, max_queue_wait_ms=5000,
         # the test suite checks these against a real TorchServe already (tests/integration:
         # test_plugin's hung worker, scale-down, overload and a new worker's start priority,
         # test_local_server's key expiry); a register's p99 is a figure of the full scenario
@@ -126,7 +133,7 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
     with LocalTorchServe(model_store=store / "1.0") as server:
         url = f"{server.inference_url}/predictions/{name}"
         auth = server.auth("inference")
-        ok(server.register(f"{name}.mar", batch_size=32, max_batch_delay=5))
+        ok(server.register(f"{name}.mar", batch_size=32, max_batch_delay=5, **scenario.admission))
         run_closed_loop(url, auth, one_item, 8, 2.0, 10**6)  # warm-up
         figures.update(max_load(url, auth, one_item, scenario.phase_s, scenario.load_step))
         max_rps = figures["max_load_rps"] * scenario.load_scale
@@ -145,7 +152,7 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
             figures.update(overload(server, name, candidates, scenario.phase_s, scenario.overload_s))
         phase("overload")
         (store / "1.0" / f"{name}-v2.mar").symlink_to((store / "2.0" / f"{name}.mar").resolve())
-        swap, swap_at = version_swap(server, name, url, auth, one_item, 0.5 * max_rps)
+        swap, swap_at = version_swap(server, name, url, auth, one_item, 0.5 * max_rps, **scenario.admission)
         figures["version_swap_failed_requests"] = failed(swap)
         figures["version_swap_statuses"] = swap.statuses
         timelines["version 1.0 -> 2.0 (register, set-default, unregister)"] = (swap, swap_at)
