@@ -21,23 +21,27 @@ from handlers.modeling.errors import SpecError
 from handlers.modeling.spec import ModelSpec, TableSpec
 
 
-
 def kept_ids(spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Each pruned table's kept ids (int64, ascending), checked against the spec; {} unpruned."""
     if spec.pruning is None:
         return {}
+    path = Path(spec.pruning)
+    try:
+        version = (path.stat().st_mtime_ns, path.stat().st_size)  # a rewritten file is read again
+    except FileNotFoundError:
+        raise SpecError(f"pruning: {path}: no such file") from None
     unpruned = tuple(t.name for t in spec.tables if not t.pruned_to)
-    return _read(Path(spec.pruning), tuple((t.name, t.rows, t.pruned_to) for t in spec.tables if t.pruned_to), unpruned)
+    return _read(path, version, tuple((t.name, t.rows, t.pruned_to) for t in spec.tables if t.pruned_to), unpruned)
 
 
 @functools.lru_cache(maxsize=4)
-def _read(path: Path, tables: tuple[tuple[str, int, int], ...], unpruned: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def _read(
+    path: Path, version: tuple[int, int], tables: tuple[tuple[str, int, int], ...], unpruned: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
     """The kept ids of ``tables`` (name, rows, pruned_to); the file may hold other models' tables
     (a distributed layout's other shards), not one of ``unpruned``."""
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise SpecError(f"pruning: {path}: no such file") from None
     except Exception as e:  # not a torch file, or not plain tensors
         raise SpecError(f"pruning: {path}: not a file of kept ids torch can load: {str(e).splitlines()[0]}") from None
     if not isinstance(saved, dict):
