@@ -223,6 +223,10 @@ def _plan(args: argparse.Namespace) -> int:
     for path in (outputs.spec, outputs.pruning, outputs.report, outputs.plot):
         if path is not None:
             print(f"wrote {path}", file=sys.stderr)
+    if not outputs.search.planned.within_budget:
+        print("the budget does not hold on the held-out data even with every table at its widest dtype: "
+              "raise it, or serve the dense layers in a wider precision", file=sys.stderr)
+        return 8
     weights = f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--seed {args.seed}"
     weights += " --init quantized" if args.init == "quantized" else ""
     # The build's gate checks the plan again; a plan spends its budget on AUC and NE, so scores may
@@ -233,7 +237,7 @@ def _plan(args: argparse.Namespace) -> int:
         f"--max-auc-drop {args.max_auc_drop:g} --max-ne-increase {args.max_ne_increase:g} --max-score-diff {score_diff:g}",
         file=sys.stderr,
     )
-    return 0 if outputs.search.planned.within_budget else 8
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -299,7 +303,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Build, verify, serve and benchmark TorchRec models on TorchServe.",
         epilog="exit codes: 0 ok, 1 internal error (a bug: --debug shows it), 2 bad arguments, 3 bad "
         "spec, 4 checkpoint does not match, 5 bad validation file, 6 TorchServe failed, 7 missing or "
-        "existing file, 8 verification failed",
+        "existing file, 8 verification failed (plan: the budget does not hold)",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

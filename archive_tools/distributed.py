@@ -239,7 +239,8 @@ def _archive_in(store: Path, model: str) -> Path:
 
 
 def shard_schema(shard_spec: ModelSpec, model_limits: Limits) -> InputSchema:
-    """What a shard takes: the ids of its features for a dense host's whole forward."""
+    """What a shard takes: the ids of its features for a dense host's whole forward. Pruned ids are
+    counted where requests arrive, on the dense host, not again here."""
     model = input_schema(shard_spec)
     limits = Limits(
         max_request_bytes=SHARD_MAX_REQUEST_BYTES,
@@ -251,7 +252,7 @@ def shard_schema(shard_spec: ModelSpec, model_limits: Limits) -> InputSchema:
         model=shard_spec.name,
         tags=(model.jagged,),
         dense_features=0,
-        features=model.features,
+        features=tuple(dataclasses.replace(f, pruned_table=None) for f in model.features),
         weighted_ids=model.weighted_ids,
         out_of_range=model.out_of_range,
         limits=limits,

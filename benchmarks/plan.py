@@ -34,7 +34,9 @@ import orjson
 import torch
 from tqdm import tqdm
 
-from archive_tools.planning import Budget, FloatTables, PlanOutputs, ServedTables, plan_model, split_validation
+from archive_tools.planning import (
+    Budget, FloatTables, PlanOutputs, ServedTables, count_ids, plan_model, split_validation, subset,
+)
 from archive_tools.validation_data import ValidationData, read_validation
 from archive_tools.verification import generated_validation
 from handlers.modeling.eager import EagerModel, eager_service
@@ -85,8 +87,8 @@ def run_plan(out_dir: Path, data: Path | None) -> dict:
     results["targets"] = [
         _target(f"bytes_ratio <= {TARGET_BYTES_RATIO} at AUC drop <= {BUDGET.max_auc_drop} (held out: {drop:.2e})",
                 results["bytes_ratio"], TARGET_BYTES_RATIO, drop <= BUDGET.max_auc_drop),
-        _target(f"Criteo 1TB size planned in <= {TARGET_PLAN_MINUTES_1TB:g} min", big_s / 60,
-                TARGET_PLAN_MINUTES_1TB, True),
+        _target(f"Criteo 1TB size planned in <= {TARGET_PLAN_MINUTES_1TB:g} min, every move tried", big_s / 60,
+                TARGET_PLAN_MINUTES_1TB, not big_report["stopped_early"]),
     ]
     (out_dir / "plan.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     lines = _summary(results)
@@ -100,10 +102,10 @@ def _real_click_log(path: Path, out: Path) -> tuple[PlanOutputs, float]:
     spec = load_spec(MODELS / "criteo.yaml")
     data = read_validation(path, spec)
     cut = round(len(data.requests) * TRAIN_SHARE)
-    training, planning = _part(data, 0, cut), _part(data, cut, len(data.requests))
+    training, planning = subset(data, range(cut), "training"), subset(data, range(cut, len(data.requests)), "planning")
     model = _train(spec, training)
     plan_data, holdout = split_validation(planning, 0.3, seed=0)
-    counts = _counts(spec, training)
+    counts = count_ids(spec, training)  # how often training looked each id up
     started = time.perf_counter()
     outputs = plan_model(spec, FloatTables(model), plan_data, holdout, BUDGET, out, prune=True, counts=counts)
     return outputs, time.perf_counter() - started
@@ -153,26 +155,6 @@ def _train(spec, data: ValidationData) -> torch.nn.Module:
     return model.eval()
 
 
-def _counts(spec, data: ValidationData) -> dict[str, torch.Tensor]:
-    """How often the training lines looked each id up (hashed into its table), per table."""
-    schema = input_schema(spec)
-    decoder = RequestDecoder(schema)
-    table_of = {f: t.name for t in spec.tables for f in t.features}
-    counts = {t.name: torch.zeros(t.rows, dtype=torch.int64) for t in spec.tables}
-    for request in data.requests:
-        ids = decoder.decode(request).inputs.tensors[schema.jagged.name]
-        for feature, part in zip(schema.jagged.keys, torch.split(ids.values, ids.lengths.sum(dim=1).tolist())):
-            table = table_of[feature]
-            counts[table] += torch.bincount(part, minlength=len(counts[table]))
-    return counts
-
-
-def _part(data: ValidationData, start: int, end: int) -> ValidationData:
-    labels = None if data.labels is None else data.labels[start:end]
-    return ValidationData(data.requests[start:end], labels, f"{data.source} requests {start}-{end - 1}",
-                          data.origins[start:end])
-
-
 def _figures(report: dict) -> dict:
     return {
         "reference": report["reference"]["model"],
@@ -183,6 +165,7 @@ def _figures(report: dict) -> dict:
         "tables": {t["name"]: {"dtype": t["dtype"], "pruned_share": t["pruned_share"]} for t in report["tables"]},
         "evaluations": report["evaluations"],
         "seconds": report["seconds"],
+        "stopped_early": report["stopped_early"],
     }
 
 

@@ -11,8 +11,8 @@ checks the result on held-out data as the archive would serve it, and writes ``N
 table's size costs nothing but bytes.
 
 Which rows are least used: ``--counts FILE`` (``{table: int64 [rows]}``, how often training looked
-each id up), or else the ids' counts in the first half of the plan split (the whole plan split
-then measures what pruning the rest costs).
+each id up), or else the ids' counts in the first half of the plan split; the second half is then
+what the plan is chosen on, so that a pruned row costs there what it will cost on new data.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from tqdm import tqdm
 
 from archive_tools.planning.choices import Usage, read_counts
-from archive_tools.planning.probe import FloatTables, ServedTables, TableProbe, Tables, require_labels
+from archive_tools.planning.probe import FloatTables, ServedTables, TableProbe, Tables, count_ids, require_labels
 from archive_tools.planning.report import plot, planned_spec, report, summary_lines, write_report
 from archive_tools.planning.search import Budget, PlanSearch, search
 from archive_tools.validation_data import ValidationData, ValidationDataError, read_validation
@@ -36,7 +37,10 @@ from handlers.modeling.registry import load_spec
 from handlers.modeling.spec import ModelSpec
 from handlers.runtime.errors import InputError
 
-__all__ = ["Budget", "FloatTables", "PlanOutputs", "ServedTables", "plan_model", "plan_tables", "split_validation"]
+__all__ = [
+    "Budget", "FloatTables", "PlanOutputs", "ServedTables", "count_ids", "plan_model", "plan_tables", "split_validation",
+    "subset",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +108,21 @@ def plan_model(
     max_minutes: float | None = None,
 ) -> PlanOutputs:
     """Plans ``spec``'s tables from ``tables`` (a float model's, or as served) on labelled data
-    and writes the outputs to ``out``; ``counts``: id counts per table for pruning (default: the
-    plan split's own)."""
+    and writes the outputs to ``out``; ``counts``: id counts per table for pruning (default: those
+    of the plan split's first half, the second half then being what the plan is chosen on)."""
     require_labels(plan_data)
     require_labels(holdout)
-    probe = TableProbe(spec, tables, {"plan": plan_data, "holdout": holdout})
     usage = None
     if prune:
-        usage = Usage(counts if counts is not None else probe.id_counts("plan", 0.5))
+        if counts is None:  # counted on one half, measured on the other: a pruned row costs what it will
+            half = len(plan_data.requests) // 2
+            if half == 0:
+                raise ValidationDataError(f"{plan_data.source}: --prune without --counts needs two requests to plan on")
+            counting = subset(plan_data, range(half), "counted")
+            plan_data = subset(plan_data, range(half, len(plan_data.requests)), "planned on")
+            counts = count_ids(spec, counting)
+        usage = Usage(counts)
+    probe = TableProbe(spec, tables, {"plan": plan_data, "holdout": holdout})
     max_seconds = None if max_minutes is None else max_minutes * 60
     found = search(spec, probe, budget, usage, max_seconds, widest=tables.widest)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,7 +155,7 @@ def plan_model(
 def split_validation(data: ValidationData, holdout_share: float, seed: int) -> tuple[ValidationData, ValidationData]:
     """Requests drawn at random (seeded) into a plan split and a held-out one of ``holdout_share``."""
     if not 0 < holdout_share < 1:
-        raise ValueError(f"--holdout-share: must be between 0 and 1, got {holdout_share}")
+        raise InputError(f"--holdout-share: must be between 0 and 1, got {holdout_share}")
     count = len(data.requests)
     held = round(count * holdout_share)
     if held < 1 or held == count:
@@ -153,14 +164,14 @@ def split_validation(data: ValidationData, holdout_share: float, seed: int) -> t
             "give more data or --holdout FILE"
         )
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
+    return subset(data, sorted(order[held:]), "plan split"), subset(data, sorted(order[:held]), "held out")
 
-    def part(indices: list[int], label: str) -> ValidationData:
-        indices = sorted(indices)
-        return ValidationData(
-            [data.requests[i] for i in indices],
-            None if data.labels is None else [data.labels[i] for i in indices],
-            f"{data.source} ({label}, {len(indices)} of {count} requests)",
-            [data.origins[i] for i in indices],
-        )
 
-    return part(order[held:], "plan split"), part(order[:held], "held out")
+def subset(data: ValidationData, indices: Sequence[int], label: str) -> ValidationData:
+    """The requests of ``data`` at ``indices``, with their labels and origins."""
+    return ValidationData(
+        [data.requests[i] for i in indices],
+        None if data.labels is None else [data.labels[i] for i in indices],
+        f"{data.source} ({label}, {len(indices)} of {len(data.requests)} requests)",
+        [data.origins[i] for i in indices],
+    )

@@ -3,7 +3,8 @@ pruned table drops.
 
 A ``Choice`` is a served dtype and a share of rows pruned (the least used ones). Bytes are as
 served: FBGEMM's row size for the dtype (alignment included) times the rows kept, plus, for a
-pruned table, its index remapping (an int32 per id, once per feature of the table).
+pruned table, its index remapping (an int32 per id, once per feature of the table). Not counted:
+the pruned-id counter's flags, 1 byte per id of a pruned table in each worker of the model.
 
 Which rows are least used comes from ``Usage``: id counts the user gives (a file of
 ``{table: int64 [rows]}``, e.g. from training), or counts of the ids in part of the data.
@@ -44,7 +45,8 @@ class Choice:
 def options(spec: ModelSpec, table: TableSpec, prune: bool, widest: WeightDtype = WeightDtype.FP32) -> list[Choice]:
     """Every choice for ``table``: each dtype it can be served in up to ``widest``, each pruned
     share where it can be pruned (a pooled table of a model not sharded by TorchRec)."""
-    shares = (0.0,) + (PRUNE_SHARES if prune and table.pooling != Pooling.NONE and not spec.is_sharded else ())
+    prunable = prune and table.pooling != Pooling.NONE and not spec.is_sharded
+    shares = (0.0,) + tuple(s for s in PRUNE_SHARES if prunable and 0 < pruned_rows(table, s) < table.rows)
     dtypes = [d for d in spec.servable_dtypes(table) if _WIDTH[d] >= _WIDTH[widest]]
     return [Choice(dtype, share) for dtype in dtypes for share in shares]
 

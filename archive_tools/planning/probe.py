@@ -50,10 +50,6 @@ class _Split:
         self.labels = labels
         self.source = source
 
-    @property
-    def items(self) -> int:
-        return int(self.labels.numel())
-
 
 class TableProbe:
     def __init__(self, spec: ModelSpec, tables: "Tables", splits: Mapping[str, ValidationData]) -> None:
@@ -98,22 +94,6 @@ class TableProbe:
             self._float_scores[split] = self._run(self._service, split)
         return quality(scores, self.splits[split].labels), float((scores - self._float_scores[split]).abs().max())
 
-    def id_counts(self, split: str, share: float) -> dict[str, torch.Tensor]:
-        """How often each id is looked up in the first ``share`` of ``split``'s requests:
-        int64 [rows] per table."""
-        requests = self.splits[split].requests
-        counts = {name: torch.zeros(len(ids), dtype=torch.int64) for name, ids in self.used_ids.items()}
-        for request in requests[: max(1, round(len(requests) * share))]:
-            for tag, ids in _jagged(self._tags, request):
-                for feature, part in zip(tag.keys, torch.split(ids.values, ids.lengths.sum(dim=1).tolist())):
-                    table = self._table_of[feature]
-                    counts[table] += torch.bincount(part, minlength=len(counts[table]))
-        full = {}
-        for table in self.spec.tables:
-            full[table.name] = torch.zeros(table.rows, dtype=torch.int64)
-            full[table.name][self.used_ids[table.name]] = counts[table.name]
-        return full
-
     @contextlib.contextmanager
     def _rows(self, dtypes: Dtypes, zeroed: Zeroed) -> Iterator[None]:
         """Within the block the model's tables hold their rows as ``dtypes`` serve them, ``zeroed`` zero."""
@@ -144,7 +124,7 @@ class TableProbe:
         """The request with each id replaced by its row in the probe's tables."""
         tensors = dict(request.tensors)
         for tag, ids in _jagged(self._tags, request):
-            parts = torch.split(ids.values, ids.lengths.sum(dim=1).tolist())
+            parts = ids.per_feature()
             renumbered = [
                 torch.searchsorted(self.used_ids[self._table_of[feature]], part)
                 for feature, part in zip(tag.keys, parts)
@@ -178,6 +158,28 @@ def _decode(spec: ModelSpec, data: ValidationData) -> tuple[list[RequestInputs],
     return requests, torch.tensor([y for labels in labelled for y in labels])
 
 
+def count_ids(spec: ModelSpec, data: ValidationData) -> dict[str, torch.Tensor]:
+    """How often ``data``'s requests look each id up (as served: checked or hashed), per table:
+    int64 [rows] (the usage pruning ranks rows by)."""
+    decoder = RequestDecoder(input_schema(spec))
+    table_of = {f: t.name for t in spec.tables for f in t.features}
+    looked_up: dict[str, list[torch.Tensor]] = {t.name: [] for t in spec.tables}
+    tags = _jagged_tags(spec)
+    for request, origin in zip(data.requests, data.origins):
+        try:
+            inputs = decoder.decode(request).inputs
+        except Rejected as refusal:
+            raise ValidationDataError(f"{origin}: {refusal.error.message}") from None
+        for tag, ids in _jagged(tags, inputs):
+            for feature, part in zip(tag.keys, ids.per_feature()):
+                looked_up[table_of[feature]].append(part)
+    return {  # one count per table: a table of 40M rows is allocated once, not per request
+        t.name: torch.bincount(torch.cat(looked_up[t.name]) if looked_up[t.name] else torch.zeros(0, dtype=torch.int64),
+                               minlength=t.rows)
+        for t in spec.tables
+    }
+
+
 def _jagged_tags(spec: ModelSpec) -> list[InputTag]:
     return [t for t in input_schema(spec).tags if t.kind in (BatchKind.JAGGED, BatchKind.CONTEXT_JAGGED)]
 
@@ -195,7 +197,7 @@ def _used_ids(spec: ModelSpec, requests: Sequence[RequestInputs]) -> dict[str, t
     tags = _jagged_tags(spec)
     for request in requests:
         for tag, ids in _jagged(tags, request):
-            for feature, part in zip(tag.keys, torch.split(ids.values, ids.lengths.sum(dim=1).tolist())):
+            for feature, part in zip(tag.keys, ids.per_feature()):
                 found[table_of[feature]].append(part)
     return {
         name: torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)

@@ -104,9 +104,11 @@ class _Settings:
         """bool [probe rows]: the rows of ids that ``share`` prunes from the table."""
         if (name, share) not in self._zeroed:
             assert self.usage is not None  # only pruned choices ask
-            table = self.tables[name]
-            ranks = self.usage.ranks(name, self.probe.used_ids[name])
-            self._zeroed[(name, share)] = ranks >= table.rows - pruned_rows(table, share)
+            table, used = self.tables[name], self.probe.used_ids[name]
+            probe_rows = next(t.rows for t in self.probe.compact_spec.tables if t.name == name)  # 1 if no id is used
+            zeroed = torch.zeros(probe_rows, dtype=torch.bool)
+            zeroed[: len(used)] = self.usage.ranks(name, used) >= table.rows - pruned_rows(table, share)
+            self._zeroed[(name, share)] = zeroed
         return self._zeroed[(name, share)]
 
 

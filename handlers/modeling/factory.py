@@ -72,8 +72,6 @@ class DLRMFactory:
         self.spec = spec
         self.architecture = architecture_of(spec)
         self.kept = pruning.kept_ids(spec)  # pruned tables' kept ids ({} when none is pruned)
-        by_name = {t.name: t for t in spec.tables}
-        self.remappings = {name: pruning.remapping(ids, by_name[name]) for name, ids in self.kept.items()}
 
     # -- float (training-shaped) model ------------------------------------------------------
 
@@ -250,7 +248,9 @@ class DLRMFactory:
         """The model with quantized tables whose weight buffers are not allocated yet."""
         # The float collections only give the model its shapes; on ``meta`` they allocate nothing.
         model = self._build(torch.device("meta"), device)
-        quantize_in_place(model, self.spec, device, self.remappings)
+        by_name = {t.name: t for t in self.spec.tables}  # each TBE keeps its own copy of these
+        remappings = {name: pruning.remapping(ids, by_name[name]) for name, ids in self.kept.items()}
+        quantize_in_place(model, self.spec, device, remappings)
         return model
 
     def _attach_all(self, model: nn.Module, buffers: list[torch.Tensor]) -> None:

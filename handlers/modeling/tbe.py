@@ -37,7 +37,7 @@ from torchrec.quant.embedding_modules import (  # isort: skip
     EmbeddingBagCollection as QuantEmbeddingBagCollection,
     EmbeddingCollection as QuantEmbeddingCollection,
 )
-from torchrec.tensor_types import UInt4Tensor  # isort: skip
+from torchrec.tensor_types import UInt2Tensor, UInt4Tensor  # isort: skip
 
 # FBGEMM pads each TBE row (scale/bias + packed values) to this many bytes. TorchRec's default, 16,
 # turns a 68-byte int8 row of dim 64 into 80 bytes; 4 keeps the rows packed and the kernels exact.
@@ -114,7 +114,8 @@ def refresh_table_views(model: nn.Module) -> None:
             views = tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)
             for (name, *_), (rows, *_) in zip(tbe.embedding_specs, views):
                 table = per_table[name]
-                table.weight = UInt4Tensor(rows) if isinstance(table.weight, UInt4Tensor) else rows
+                wrapper = next((w for w in (UInt4Tensor, UInt2Tensor) if isinstance(table.weight, w)), None)
+                table.weight = wrapper(rows) if wrapper is not None else rows
 
 
 def set_index_remappings(module: TBE, remappings: Mapping[str, torch.Tensor]) -> None:
@@ -127,11 +128,14 @@ def set_index_remappings(module: TBE, remappings: Mapping[str, torch.Tensor]) ->
         return
     per_feature = [remappings.get(names[t]) for t in module.feature_table_map]
     sizes = [0 if remap is None else len(remap) for remap in per_feature]
-    module.index_remappings_array = torch.cat([r for r in per_feature if r is not None]).to(module.indices_dtype)
-    module.index_remappings_array_offsets = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
+    device = module.current_device
+    module.index_remappings_array = torch.cat([r for r in per_feature if r is not None]).to(device, module.indices_dtype)
+    module.index_remappings_array_offsets = torch.tensor(
+        [0, *itertools.accumulate(sizes)], dtype=torch.int64, device=device
+    )
     rows = [spec[1] for spec in module.embedding_specs]
     module.original_rows_per_table = torch.tensor(
-        [size or rows[t] for size, t in zip(sizes, module.feature_table_map)], dtype=torch.int64
+        [size or rows[t] for size, t in zip(sizes, module.feature_table_map)], dtype=torch.int64, device=device
     )
 
 

@@ -11,7 +11,7 @@ its gigabytes of tables), an unzipped archive folder, or a worker's model folder
     archive = Archive(model_dir)     # a worker's folder: nothing to close
 
 File names are in ``handlers.runtime.archive_files``. The spec is parsed by ``handlers.modeling``
-(``load_spec(archive.file(SPEC))``): the runtime serves graphs without the code that built them.
+(``registry.archive_spec(archive)``): the runtime serves graphs without the code that built them.
 """
 
 from __future__ import annotations

@@ -217,6 +217,10 @@ class JaggedIds:
     values: torch.Tensor
     weights: torch.Tensor | None = None
 
+    def per_feature(self) -> tuple[torch.Tensor, ...]:
+        """``values`` split by feature: F tensors, feature f's ids of every item in order."""
+        return torch.split(self.values, self.lengths.sum(dim=1).tolist())
+
 
 RequestTensor = Union[torch.Tensor, JaggedIds]
 

@@ -47,7 +47,6 @@ class PrunedIdCounter:
         for name, feature, table in self._tables:
             if name not in segments:
                 ids: JaggedIds = inputs.tensors[name]  # type: ignore[assignment]
-                parts = torch.split(ids.values, ids.lengths.sum(dim=1).tolist())
-                segments[name] = dict(zip(self._keys[name], parts))
+                segments[name] = dict(zip(self._keys[name], ids.per_feature()))
             counts[table] += int(self._pruned[table][segments[name][feature]].sum())
         return counts

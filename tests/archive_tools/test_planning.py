@@ -154,3 +154,14 @@ def test_pruning_drops_the_noise_tables_rows_and_the_served_pruned_plan_keeps_th
     assert checked.passed, checked.failures
     assert checked.reference.auc - checked.served.auc == pytest.approx(report["planned"]["auc_drop"], abs=1e-5)
     assert report["planned"]["table_bytes"] < report["best_uniform"]["table_bytes"]
+
+
+def test_without_counts_pruning_counts_one_half_of_the_plan_data_and_plans_on_the_other(planned, tmp_path):
+    folder, _, _ = planned
+    code = main([
+        "plan", "--spec", str(folder / "spec.yaml"), "--checkpoint", str(folder / "trained.pt"),
+        "--data", str(folder / "clicks.jsonl"), "--out", str(tmp_path), "--prune",
+    ])
+    report = orjson.loads((tmp_path / "planned.plan.json").read_bytes())
+    assert code == 0 and "planned on, 88 of 175 requests" in report["data"]["plan"], report["data"]
+    assert report["planned"]["within_budget"]

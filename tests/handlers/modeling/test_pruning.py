@@ -3,7 +3,10 @@ row for every other id; pruned ids are counted per table; the kept-ids file is c
 the spec; deltas address ids and refuse pruned ones. (An exported program, FBGEMM's remapping
 inside the graph, is served through TorchServe in ``tests/integration/test_protocols.py``.)"""
 
+import collections
+
 import numpy as np
+import orjson
 import pytest
 import torch
 
@@ -11,6 +14,7 @@ from archive_tools.build import build_archive
 from archive_tools.delta import DeltaSource, make_delta, verify_delta
 from archive_tools.model_config import ServingConfig
 from archive_tools.verification import Bounds
+from handlers.modeling.eager import EagerModel
 from handlers.modeling.embedding_modules import table_weights
 from handlers.modeling.errors import SpecError
 from handlers.modeling.factory import DLRMFactory
@@ -18,6 +22,7 @@ from handlers.modeling.registry import input_schema, parse_spec
 from handlers.modeling.spec import WeightDtype
 from handlers.runtime.errors import InputError
 from handlers.runtime.pruned_ids import PrunedIdCounter
+from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.decoder import RequestDecoder
 from tests.helpers import PRUNED_TINY, forward, items_request, model_inputs, pruned, with_tables
 
@@ -119,3 +124,18 @@ def test_a_distributed_layouts_shards_take_their_own_pruned_tables_from_the_mode
     assert set(item_shard.kept) == {"t_item"} and torch.equal(item_shard.kept["t_item"], kept["t_item"])
     unpruned = placed.replace(tables=[t.model_copy(update={"pruned_to": None} if t.name != "t_item" else {}) for t in placed.tables])
     assert unpruned.shard_spec("b").pruning is None
+
+
+def test_a_batch_of_several_requests_counts_each_requests_pruned_ids(tiny_spec, tmp_path):
+    """The service counts per decoded part, which may hold several requests decoded together."""
+    spec, kept = pruned(tiny_spec, tmp_path)
+    schema = input_schema(spec)
+    factory = DLRMFactory(spec)
+    service = ScoringService(schema, EagerModel(factory.inference_model(factory.random_weights(0)), schema.tags),
+                             pruned_ids=PrunedIdCounter(schema, kept))
+    bodies = [items_request(spec, n, seed=n, max_bag=8) for n in (3, 5, 2)]
+    counter = PrunedIdCounter(schema, kept)
+    expected = sum((counter.count(RequestDecoder(schema).decode(b).inputs) for b in bodies), collections.Counter())
+    handled = service.handle([orjson.dumps(b) for b in bodies])
+    assert all(r.status == 200 for r in handled.responses)
+    assert handled.stats.pruned_ids == dict(expected) and sum(expected.values()) > 0
