@@ -233,6 +233,9 @@ def test_the_grafana_dashboard_plots_metrics_the_server_publishes(server, tiny_s
     hashed = {"float_features": [0.0] * 13, "id_list_features.lengths": [1] + [0] * 25,
               "id_list_features.values": [123_456]}
     assert server.predict("criteo_small", hashed).status_code == 200  # an id hashed, counted
+    pruned_id = {"items": [{"dense": [0.0] * 4, "sparse": {"user_id": list(range(20))}}]}  # 20 ids: some pruned
+    assert server.predict("tiny_pruned", pruned_id).status_code == 200
+    server.scrape("tiny_pruned")  # flushes its worker's counts and waits for them
     dashboard = json.loads((config_dir() / "grafana" / "torchrec-serve.json").read_text())
     expressions = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     queried = {
