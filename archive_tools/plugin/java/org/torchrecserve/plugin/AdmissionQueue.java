@@ -51,7 +51,7 @@ final class AdmissionQueue extends LinkedBlockingDeque<Job> {
 
     final Model model;
     final String label;
-    final GuardSettings settings;
+    volatile GuardSettings settings; // the archive's, or a register call's (Guard.queue)
     private final int capacity;
     private final Map<Thread, Batch> batches = new ConcurrentHashMap<>();
     private volatile double batchNs; // measured, exponentially averaged; 0: not yet

@@ -175,10 +175,18 @@ final class Guard {
         return queue(model, Map.of());
     }
 
-    /** ``overrides``: guard settings given to the register call, over the archive's. */
+    /**
+     * ``overrides``: guard settings given to the register call, over the archive's. The watchdog's
+     * tick may have put the model's queue in place between TorchServe's registration and this
+     * call: the register call's settings then replace the defaults it was given.
+     */
     synchronized AdmissionQueue queue(Model model, Map<String, String> overrides) {
         LinkedBlockingDeque<Job> current = Internals.dataQueue(model);
         if (current instanceof AdmissionQueue admission) {
+            if (!overrides.isEmpty()) {
+                admission.settings = GuardSettings.of(model, overrides);
+                logger.info("{}: admission settings {}", admission.label, admission.settings);
+            }
             return admission;
         }
         int capacity = current.size() + current.remainingCapacity();
