@@ -108,17 +108,23 @@ def test_with_no_time_for_moves_the_plan_is_the_best_uniform_dtype(planned, tmp_
     "change, code, message",
     [
         (["--max-auc-drop", "0"], 2, "a budget must be above 0"),
-        (["--data", "unlabelled"], 5, "planning needs labels"),
+        (["--data", "UNLABELLED"], 5, "planning needs labels"),
         (["--holdout-share", "0.9999"], 5, "cannot be split"),
+        (["--holdout-share", "1.5"], 2, "--holdout-share: must be between 0 and 1"),
+        (["--counts", "COUNTS"], 2, "--counts: the ids' counts choose the rows to prune; add --prune"),
+        (["--prune", "--counts", "COUNTS"], 5, "t_ad: counts must be integers [400] (one per id)"),
+        (["--prune", "--counts", "NOT_A_TABLE"], 5, "t_nowhere: not a table of planned"),
     ],
 )
 def test_a_plan_that_cannot_run_says_why(planned, tmp_path, capsys, change, code, message):
     folder, _, _ = planned
-    unlabelled = tmp_path / "unlabelled.jsonl"
-    unlabelled.write_bytes(b'{"items": [{"dense": [0.1, 0.2], "sparse": {"ad": [1], "user": [2], "noise_a": [3], "noise_b": [4]}}]}\n')
-    arguments = {"--spec": str(folder / "spec.yaml"), "--data": str(folder / "clicks.jsonl"), "--out": str(tmp_path)}
-    arguments.update({change[0]: str(unlabelled) if change[1] == "unlabelled" else change[1]})
-    assert main(["plan", *[part for pair in arguments.items() for part in pair]]) == code
+    files = {"UNLABELLED": tmp_path / "unlabelled.jsonl", "COUNTS": tmp_path / "counts.pt", "NOT_A_TABLE": tmp_path / "other.pt"}
+    files["UNLABELLED"].write_bytes(b'{"items": [{"dense": [0.1, 0.2], "sparse": {"ad": [1], "user": [2], "noise_a": [3], "noise_b": [4]}}]}\n')
+    torch.save({"t_ad": torch.zeros(3)}, files["COUNTS"])  # floats, and not one per id
+    torch.save({"t_nowhere": torch.zeros(3, dtype=torch.int64)}, files["NOT_A_TABLE"])
+    arguments = ["--spec", str(folder / "spec.yaml"), "--data", str(folder / "clicks.jsonl"), "--out", str(tmp_path)]
+    arguments += [str(files[a]) if a in files else a for a in change]  # a later --data replaces the first
+    assert main(["plan", *arguments]) == code
     assert message in capsys.readouterr().err
 
 
