@@ -16,8 +16,9 @@ pytestmark = pytest.mark.integration
 
 def test_reliability_smoke_scenario_runs_and_holds_the_hard_targets(tmp_path):
     """The phases no other test runs (the ones it skips are test_plugin's hung worker, scale-down,
-    overload and start priority, and test_local_server's key expiry, against a real TorchServe too;
-    a register's effect on p99 is a figure of the full scenario)."""
+    overload and start priority, test_local_server's key expiry and the freshness smoke's version
+    transition, against a real TorchServe too; a register's effect on p99 is a figure of the full
+    scenario)."""
     out = tmp_path / "reliability"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "reliability-smoke", "--out", str(out)],
@@ -26,12 +27,12 @@ def test_reliability_smoke_scenario_runs_and_holds_the_hard_targets(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     figures = orjson.loads((out / "reliability.json").read_bytes())
     skipped = {"hung_worker_detect_s", "scale_down_lost_requests", "overload_2x_reject_p99_ms",
-               "overload_2x_accepted_p99_ms", "token_expiry_client_errors", "register_during_load_inference_p99_ms"}
+               "overload_2x_accepted_p99_ms", "token_expiry_client_errors", "register_during_load_inference_p99_ms",
+               "version_swap_failed_requests"}
     assert figures["skipped_phases"] == sorted(RELIABILITY_SCENARIOS["reliability-smoke"].skip)
     assert {key for key, *_ in TARGETS} - skipped <= set(figures) and not skipped & set(figures)
     # correctness targets hold at any size; the latency and memory ones are the full scenario's
     assert figures["kill_worker_failed_requests"] <= figures["kill_worker_inflight"], figures["kill_worker_statuses"]
-    assert figures["version_swap_failed_requests"] == 0
     assert figures["soak_errors"] == 0, figures["soak_statuses"]
     assert figures["fuzz_5xx"] == 0 and not figures["fuzz_worker_restarted"], figures["fuzz_statuses"]
     summary = (out / "summary.txt").read_text()
