@@ -19,7 +19,6 @@ from handlers.modeling.eager import EagerModel, load_eager_model
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import architecture_of, load_spec, synthetic_request
 from handlers.modeling.spec import ModelSpec, ShardingType
-from handlers.modeling.weights import InferenceWeights
 from handlers.runtime.archive_files import SPEC, WEIGHTS
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.batching import coalesce
@@ -93,7 +92,7 @@ def _keep_only_tables(weights: Path, spec: ModelSpec) -> None:
     factory = DLRMFactory(spec)
     loaded = factory.load_weights(weights)
     rewritten = weights.with_suffix(".tables")
-    factory.save_weights(InferenceWeights(loaded.tables, {}, loaded.buffers), rewritten)
+    factory.save_weights(dataclasses.replace(loaded, dense={}), rewritten)
     del loaded
     rewritten.replace(weights)
 

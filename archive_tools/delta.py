@@ -179,8 +179,14 @@ def _base(path: Path) -> Iterator[_Base]:
         if layout is None:
             why = tables_file_name(archive.options)[1] or f"no {TABLES}; rebuild it with this version"
             raise InputError(f"{path}: cannot take deltas: {why}")
+        spec = archive_spec(archive)
+        if spec.raw_id_tables:
+            raise InputError(
+                f"{path}: tables {list(spec.raw_id_tables)} take raw ids: deltas that also move slots "
+                "between raw ids are not made yet; build a new archive from the later checkpoint"
+            )
         buffers = table_buffers(torch.load(archive.tables_file(), mmap=True, weights_only=True), layout.buffer_constants)
-        yield _Base(archive, archive_spec(archive), layout, buffers)
+        yield _Base(archive, spec, layout, buffers)
 
 
 def _from_checkpoint(base: _Base, checkpoint: Path) -> Iterator[tuple[TableLayout, np.ndarray, np.ndarray]]:

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Mapping
 
 import torch
 import yaml
@@ -109,12 +110,15 @@ def reference_service(
     return eager_service(spec, model)
 
 
-def validation_data(spec: ModelSpec, reference: ScoringService, path: Path | None, seed: int) -> ValidationData:
-    """The user's validation file, or requests generated from the spec and labelled from the
-    reference's own scores."""
+def validation_data(
+    spec: ModelSpec, reference: ScoringService, path: Path | None, seed: int,
+    slot_owners: Mapping[str, torch.Tensor] | None = None,
+) -> ValidationData:
+    """The user's validation file, or requests generated from the spec (raw ids mostly among the
+    ``slot_owners``) and labelled from the reference's own scores."""
     if path is not None:
         return read_validation(path, spec)
-    return generated_validation(spec, reference, GENERATED_REQUESTS, GENERATED_ITEMS, seed)
+    return generated_validation(spec, reference, GENERATED_REQUESTS, GENERATED_ITEMS, seed, slot_owners)
 
 
 def verify_staged(

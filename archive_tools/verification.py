@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Mapping
 
 import orjson
 import torch
@@ -35,14 +36,16 @@ class Bounds:
 
 
 def generated_validation(
-    spec: ModelSpec, reference: ScoringService, num_requests: int, items: int, seed: int
+    spec: ModelSpec, reference: ScoringService, num_requests: int, items: int, seed: int,
+    slot_owners: Mapping[str, torch.Tensor] | None = None,
 ) -> ValidationData:
-    """Requests from the spec, with clicks drawn from the reference's standardized logits
-    (sigmoid of 2 z-scores). The reference then ranks them well (AUC about 0.8) even with
-    untrained weights, whose raw scores all sit near 0.5; a served model that ranks
-    differently loses AUC and gains NE."""
+    """Requests from the spec (a raw-id table's ids mostly from its ``slot_owners``), with clicks
+    drawn from the reference's standardized logits (sigmoid of 2 z-scores). The reference then
+    ranks them well (AUC about 0.8) even with untrained weights, whose raw scores all sit near
+    0.5; a served model that ranks differently loses AUC and gains NE."""
     requests = [
-        synthetic_request(spec, items, seed=seed + 1000 + k, max_bag=4) for k in range(num_requests)
+        synthetic_request(spec, items, seed=seed + 1000 + k, max_bag=4, slot_owners=slot_owners)
+        for k in range(num_requests)
     ]
     origins = [f"generated request {k}" for k in range(num_requests)]
     data = ValidationData(requests, None, "generated", origins)

@@ -72,6 +72,11 @@ def plan_tables(
     spec = load_spec(spec_path)
     if spec.pruning is not None:
         raise SpecError(f"{spec_path}: pruning: plan the unpruned spec (its tables without pruned_to)")
+    if spec.raw_id_tables:
+        raise SpecError(
+            f"{spec_path}: tables {list(spec.raw_id_tables)} take raw ids (ids: raw): the planner measures "
+            "tables by the rows ids look up, and is not made for managed collisions yet"
+        )
     if counts_path is not None and not prune:
         raise InputError("--counts: the ids' counts choose the rows to prune; add --prune")
     factory = DLRMFactory(spec)

@@ -33,7 +33,7 @@ order (checked at build), and returns logits [N, 1]. ``split`` is optional: with
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 import torch
@@ -41,8 +41,9 @@ from torch import nn
 
 from handlers.modeling.embedding_modules import EmbeddingTables
 from handlers.modeling.errors import SpecError
+from handlers.modeling.remap_spec import IdSpace
 from handlers.modeling.spec import ModelSpec, Pooling
-from handlers.runtime.inputs import BatchKind, Feature, InputSchema, InputTag
+from handlers.runtime.inputs import MCH_FREE_SLOT, BatchKind, Feature, InputSchema, InputTag
 
 # The contract's version: raised when a change would break architectures written for the last one.
 CONTRACT_VERSION = 1
@@ -117,19 +118,26 @@ class Architecture(abc.ABC):
             raise SpecError(f"architecture {spec.architecture}: {e}") from None
 
     def synthetic_request(
-        self, spec: Any, num_items: int, seed: int, max_bag: int = 3, return_logits: bool = False
+        self, spec: Any, num_items: int, seed: int, max_bag: int = 3, return_logits: bool = False,
+        slot_owners: Mapping[str, torch.Tensor] | None = None,
     ) -> dict:
         """A seeded JSON request of ``num_items`` items: dense rows normal, ids uniform over each
-        table, bags of 0..``max_bag`` ids, weights in [0, 2) on about half the bags of a weighted
-        model, a context row where the model takes one, and per-request sequences of
-        0..4 x ``max_bag`` ids (within each feature's cap) where it takes them."""
+        table (a raw-id table's: 3 in 4 drawn from its ``slot_owners`` where given, the others
+        anywhere in int64), bags of 0..``max_bag`` ids, weights in [0, 2) on about half the bags
+        of a weighted model, a context row where the model takes one, and per-request sequences
+        of 0..4 x ``max_bag`` ids (within each feature's cap) where it takes them."""
         rng = np.random.default_rng(seed)
         schema = self.input_schema(spec)
+        owned = {
+            feature: owners[owners != MCH_FREE_SLOT].numpy()
+            for table in spec.tables if (owners := (slot_owners or {}).get(table.name)) is not None
+            for feature in table.features
+        }
         items = []
         for _ in range(num_items):
             sparse: dict[str, Any] = {}
             for feature in schema.features:
-                bag = rng.integers(0, feature.rows, size=int(rng.integers(0, max_bag + 1))).tolist()
+                bag = _draw_ids(rng, feature, int(rng.integers(0, max_bag + 1)), owned.get(feature.name))
                 if spec.weighted_ids and rng.random() < 0.5:
                     weights = rng.uniform(0, 2, size=len(bag)).round(3).tolist()
                     sparse[feature.name] = {"ids": bag, "weights": weights}
@@ -150,6 +158,17 @@ class Architecture(abc.ABC):
         return request
 
 
+def _draw_ids(rng: np.random.Generator, feature: Feature, size: int, owned: np.ndarray | None) -> list[int]:
+    """``size`` ids of ``feature``: uniform over its rows, or for raw ids 3 in 4 from ``owned``
+    (where given) and the others uniform over int64 (unseen, but for a rare chance)."""
+    if not feature.raw_ids:
+        return rng.integers(0, feature.rows, size=size).tolist()
+    anywhere = rng.integers(-(2**63), MCH_FREE_SLOT, size=size, dtype=np.int64)
+    if owned is None or not len(owned):
+        return anywhere.tolist()
+    return np.where(rng.random(size) < 0.75, owned[rng.integers(0, len(owned), size=size)], anywhere).tolist()
+
+
 def _features(spec: Any) -> dict[str, Feature]:
     """Every spec feature with its table's rows and, for a sequence table, its cap."""
     found = {}
@@ -158,7 +177,8 @@ def _features(spec: Any) -> dict[str, Feature]:
         if table.pooling == Pooling.NONE:
             cap = table.max_sequence_length or spec.limits.max_ids_per_bag
         for name in table.features:
-            found[name] = Feature(name, table.rows, cap, table.name if table.pruned_to else None)
+            raw = table.ids == IdSpace.RAW
+            found[name] = Feature(name, table.rows, cap, table.name if table.pruned_to else None, raw)
     return found
 
 

@@ -11,6 +11,7 @@ and calls the model; ``PlainInputs`` does the same from positional tensors, for 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -114,7 +115,7 @@ class SwappableEagerModel(EagerModel):
         super().__init__(self._model(weights.dense, device), input_schema(factory.spec).tags, device)
 
     def _model(self, dense: Mapping[str, torch.Tensor], device: torch.device) -> nn.Module:
-        weights = InferenceWeights(self.weights.tables, dict(dense), self.weights.buffers)
+        weights = dataclasses.replace(self.weights, dense=dict(dense))
         return self.factory.inference_model(weights, device)
 
     def dense_shapes(self) -> DenseShapes | str:

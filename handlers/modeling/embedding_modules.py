@@ -27,6 +27,8 @@ from torch import nn
 
 from handlers.modeling import tbe
 from handlers.modeling.errors import SpecError
+from handlers.modeling.raw_ids import ManagedBags, RawIdBags
+from handlers.modeling.remap_spec import IdSpace
 from handlers.modeling.spec import ModelSpec, Pooling, TableSpec, WeightDtype
 
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig  # isort: skip
@@ -52,7 +54,7 @@ _POOLING = {Pooling.SUM: PoolingType.SUM, Pooling.MEAN: PoolingType.MEAN}
 # What the project cannot serve yet, and why (refused at build by path and type).
 _UNSERVABLE: dict[type, str] = {
     FeatureProcessedEmbeddingBagCollection: "feature processors are not served",
-    BaseManagedCollisionEmbeddingCollection: "managed-collision (raw id) tables are not served yet",
+    BaseManagedCollisionEmbeddingCollection: "managed collisions are served for tables with ids: raw, in the collection EmbeddingTables.bags makes of them",
 }
 
 
@@ -66,11 +68,23 @@ class EmbeddingTables:
         self.spec = spec
         self.device = device
 
-    def bags(self, *names: str) -> EmbeddingBagCollection:
+    def bags(self, *names: str) -> EmbeddingBagCollection | ManagedBags:
+        """Raw-id tables (``ids: raw``) come in TorchRec's managed-collision collection, which
+        remaps every table it holds: a collection's tables are all raw, or none."""
         tables = self._tables(names, pooled=True)
-        return EmbeddingBagCollection(
+        ebc = EmbeddingBagCollection(
             tables=bag_configs(tables), is_weighted=self.spec.weighted_ids, device=self.device
         )
+        raw = [t.name for t in tables if t.ids == IdSpace.RAW]
+        if not raw:
+            return ebc
+        if len(raw) < len(tables):
+            index = [t.name for t in tables if t.ids != IdSpace.RAW]
+            raise SpecError(
+                f"tables: {raw} (ids raw) and {index} (ids index) are asked for in one collection; managed "
+                "collisions remap every table of theirs: give them all ids raw, or ask for them apart"
+            )
+        return ManagedBags(ebc, tables, self.device)
 
     def sequences(self, *names: str) -> EmbeddingCollection:
         return EmbeddingCollection(tables=sequence_configs(self._tables(names, pooled=False)), device=self.device)
@@ -116,8 +130,9 @@ class Collection:
     """One embedding module of a model: its path, and the names of its tables."""
 
     path: str
-    module: nn.Module
+    module: nn.Module  # the embedding collection itself (a raw-id collection's bags)
     tables: tuple[str, ...]
+    raw_ids: bool = False  # a ManagedBags (float) or RawIdBags (served) at ``path``
 
     @property
     def pooled(self) -> bool:
@@ -127,8 +142,16 @@ class Collection:
 def find_collections(model: nn.Module) -> list[Collection]:
     """Every float or quantized embedding collection of ``model``, in module order; raises
     ``SpecError`` naming the path and type of one the project cannot serve."""
-    found = []
+    found: list[Collection] = []
+    raw_paths: list[str] = []
     for path, module in model.named_modules():
+        if any(path.startswith(f"{raw}.") for raw in raw_paths):
+            continue  # a raw-id collection's own parts
+        if isinstance(module, (ManagedBags, RawIdBags)):
+            names = tuple(c.name for c in module.bags.embedding_bag_configs())
+            found.append(Collection(path, module.bags, names, raw_ids=True))
+            raw_paths.append(path)
+            continue
         for kind, why in _UNSERVABLE.items():
             if isinstance(module, kind):
                 raise SpecError(f"{path or 'model'}: {type(module).__name__}: {why}")
@@ -166,6 +189,9 @@ def check_collections(collections: list[Collection], spec: ModelSpec) -> None:
                     f"{where}: {config.num_embeddings} rows x dim {config.embedding_dim}, the spec says "
                     f"{table.rows} x {table.dim}"
                 )
+            if collection.raw_ids != (table.ids == IdSpace.RAW):
+                kind = "a managed-collision (raw id) collection" if collection.raw_ids else "a plain collection"
+                raise SpecError(f"{where}: in {kind}, the spec's ids are {table.ids.value}")
             if tuple(config.feature_names) != table.features:
                 raise SpecError(f"{where}: features {config.feature_names}, the spec says {list(table.features)}")
             if collection.pooled == (table.pooling == Pooling.NONE):
@@ -215,8 +241,8 @@ def quantize_in_place(
                 )
             for table_batch in tbe.tbes(module):
                 tbe.set_index_remappings(table_batch, remappings)
-            _replace(model, collection.path, module)
-            quantized.append(Collection(collection.path, module, collection.tables))
+            _replace(model, collection.path, RawIdBags(module, tables) if collection.raw_ids else module)
+            quantized.append(Collection(collection.path, module, collection.tables, collection.raw_ids))
     return quantized
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from handlers.modeling import checkpoint, pruning, tbe
+from handlers.modeling import checkpoint, pruning, raw_ids, tbe
 from handlers.modeling.dense_precision import apply_dense_precision
 from handlers.modeling.embedding_modules import (
     EmbeddingTables,
@@ -113,7 +113,7 @@ class DLRMFactory:
             name: (rows.clone(), None if scale_bias is None else scale_bias.clone())
             for name, (rows, scale_bias) in _table_views(quantized).items()
         }
-        return InferenceWeights(tables=tables, dense=_dense_state(float_model))
+        return InferenceWeights(tables, _dense_state(float_model), slot_owners=raw_ids.slot_owners(float_model))
 
     def random_weights(self, seed: int) -> InferenceWeights:
         """Seeded random weights created straight in the served layout: no float table ever exists.
@@ -130,7 +130,8 @@ class DLRMFactory:
                 module.embedding_specs, module.split_embedding_weights()
             ):
                 fill_random_table(values, scale_bias, sparse_type, generator)
-        return InferenceWeights(_table_views(model), self.random_dense(seed), buffers)
+        owners = {t.name: raw_ids.random_slot_owners(t.rows, generator) for t in self.spec.tables if t.remap}
+        return InferenceWeights(_table_views(model), self.random_dense(seed), buffers, owners)
 
     def random_dense(self, seed: int) -> dict[str, torch.Tensor]:
         """The dense layers' own init from ``seed``, as float weights; no table is allocated."""
@@ -151,7 +152,7 @@ class DLRMFactory:
         model = self._quant_model(torch.device("cpu"))
         dtypes = {t.name: t.weight_dtype.value for t in self.spec.tables}
         tables = []
-        buffers, dense = load_weights_file(Path(weights_file), len(tbe.tbes(model)))
+        buffers, dense, _ = load_weights_file(Path(weights_file), len(tbe.tbes(model)))
         self._attach_all(model, buffers)
         for index, (module, buffer) in enumerate(zip(tbe.tbes(model), buffers)):
             views = module.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)
@@ -170,16 +171,16 @@ class DLRMFactory:
             model = self._quant_model(torch.device("cpu"))
             buffers = self._zeroed_buffers(model)
             self._copy_rows(model, weights.tables)
-        save_weights_file(buffers, weights.dense, Path(path))
+        save_weights_file(buffers, weights.dense, Path(path), weights.slot_owners)
 
     def load_weights(self, path: str | Path) -> InferenceWeights:
         """Memory-maps ``weights.pt``: the tables cost page cache, shared by every process that maps
         the file, and no anonymous copy."""
         model = self._quant_model(torch.device("cpu"))
         modules = tbe.tbes(model)
-        buffers, dense = load_weights_file(Path(path), len(modules))
+        buffers, dense, owners = load_weights_file(Path(path), len(modules))
         self._attach_all(model, buffers)
-        return InferenceWeights(_table_views(model), dense, buffers)
+        return InferenceWeights(_table_views(model), dense, buffers, owners)
 
     # -- served model ----------------------------------------------------------------------------
 
@@ -231,6 +232,7 @@ class DLRMFactory:
         """The model with its served tables filled in (zero-copy where possible), dense layers not
         loaded yet."""
         model = self._quant_model(device)
+        raw_ids.load_slot_owners(model, weights.slot_owners)
         zero_copy = weights.buffers is not None and device.type == "cpu" and not self.spec.is_sharded
         if zero_copy:
             self._attach_all(model, weights.buffers)  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Union
 
 import yaml
 from pydantic import TypeAdapter, ValidationError
+import torch
 from torch import nn
 
 from handlers.modeling.architecture import CONTRACT_VERSION, Architecture
@@ -155,9 +156,10 @@ def input_schema(spec: ModelSpec) -> InputSchema:
 
 
 def synthetic_request(
-    spec: ModelSpec, num_items: int, seed: int, max_bag: int = 3, return_logits: bool = False
+    spec: ModelSpec, num_items: int, seed: int, max_bag: int = 3, return_logits: bool = False,
+    slot_owners: Mapping[str, torch.Tensor] | None = None,
 ) -> dict:
-    return architecture_of(spec).synthetic_request(spec, num_items, seed, max_bag, return_logits)
+    return architecture_of(spec).synthetic_request(spec, num_items, seed, max_bag, return_logits, slot_owners)
 
 
 def spec_json_schema() -> dict[str, Any]:

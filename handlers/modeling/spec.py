@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 from torch import nn
 
+from handlers.modeling.remap_spec import IdSpace, RemapSpec
 from handlers.runtime.inputs import Limits, OutOfRangePolicy
 
 PositiveInt = Annotated[StrictInt, Field(gt=0)]
@@ -114,6 +115,12 @@ class TableSpec(_Section):
         description="serve only this many rows: those of the ids the spec's pruning file keeps for this "
         "table; every other id looks up a zero row",
     )
+    ids: IdSpace = Field(
+        IdSpace.INDEX, description="index: ids are rows (0..rows-1); raw: any int64 id, mapped to rows by remap"
+    )
+    remap: RemapSpec | None = Field(
+        None, description="ids raw only: the managed collisions that map raw ids to rows (rows: the slots)"
+    )
     sharding: ShardingType = Field(ShardingType.AUTO, description="TorchRec inference sharding")
     shard: Name | None = Field(
         None,
@@ -134,6 +141,17 @@ class TableSpec(_Section):
             raise ValueError(f"pruned_to: must be below rows ({self.rows}) to prune any, got {self.pruned_to}")
         if self.pruned_to is not None and self.pooling == Pooling.NONE:
             raise ValueError("pruned_to: sequence tables (pooling none) are served unpruned")
+        if (self.remap is None) == (self.ids == IdSpace.RAW):
+            raise ValueError("remap: a table with ids raw names its remap, and only such a table")
+        if self.ids == IdSpace.RAW:
+            for key, given, why in (
+                ("pruned_to", self.pruned_to is not None, "managed collisions already bound its rows"),
+                ("pooling", self.pooling == Pooling.NONE, "sequence tables with raw ids are not served yet"),
+                ("sharding", self.sharding != ShardingType.AUTO, "raw-id tables are served unsharded"),
+                ("shard", self.shard is not None, "raw-id tables are not placed on shards yet"),
+            ):
+                if given:
+                    raise ValueError(f"{key}: ids raw: {why}")
         if self.max_sequence_length is not None and self.pooling != Pooling.NONE:
             raise ValueError("max_sequence_length: only for sequence tables (pooling: none)")
         per_byte = self.weight_dtype.values_per_byte
@@ -279,6 +297,9 @@ class ModelSpec(_Section):
             raise ValueError(f"pruning: tables {pruned} are pruned (pruned_to): name the file of the ids they keep")
         if self.pruning is not None and not pruned:
             raise ValueError("pruning: no table is pruned (tables[].pruned_to)")
+        raw = [i for i, t in enumerate(self.tables) if t.ids == IdSpace.RAW]
+        if raw and self.is_sharded:
+            raise ValueError(f"tables[{raw[0]}].ids: raw-id tables are served unsharded (sharding.world_size 1)")
         if pruned and self.is_sharded:
             raise ValueError(
                 f"tables[{[t.name for t in self.tables].index(pruned[0])}].pruned_to: pruned tables are not "
@@ -312,6 +333,11 @@ class ModelSpec(_Section):
             d for d in WeightDtype
             if table.dim % d.values_per_byte == 0 and not (self.is_sharded and d in floats)
         )
+
+    @property
+    def raw_id_tables(self) -> tuple[str, ...]:
+        """The tables whose ids are raw (``ids: raw``), in model order."""
+        return tuple(t.name for t in self.tables if t.ids == IdSpace.RAW)
 
     @property
     def feature_names(self) -> tuple[str, ...]:

@@ -15,6 +15,9 @@ Why each exists:
   AOTInductor.
 * ``name_table_buffers``: a TBE keeps its weights as plain attributes, which ``torch.export``
   lifts as anonymous constants; registered as buffers they keep stable names.
+* ``managed_collision_parts``, ``mch_slot_owners``: TorchRec's managed-collision EBC keeps its
+  EBC and its MCH modules as private attributes, and an MCH module which raw id owns each slot
+  only as two private buffers (its sorted raw ids, and each one's slot); there is no public reader.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 from handlers.runtime import fbgemm_ops  # noqa: F401  the TBE operators
+from handlers.runtime.inputs import MCH_FREE_SLOT
 from handlers.runtime.quiet import quieter
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode  # isort: skip
 from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (  # isort: skip
@@ -37,7 +41,11 @@ from torchrec.quant.embedding_modules import (  # isort: skip
     EmbeddingBagCollection as QuantEmbeddingBagCollection,
     EmbeddingCollection as QuantEmbeddingCollection,
 )
+from torchrec import EmbeddingBagCollection  # isort: skip
+from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection  # isort: skip
+from torchrec.modules.mc_modules import MCHManagedCollisionModule  # isort: skip
 from torchrec.tensor_types import UInt2Tensor, UInt4Tensor  # isort: skip
+
 
 # FBGEMM pads each TBE row (scale/bias + packed values) to this many bytes. TorchRec's default, 16,
 # turns a 68-byte int8 row of dim 64 into 80 bytes; 4 keeps the rows packed and the kernels exact.
@@ -166,3 +174,21 @@ def drop_table_views(model: nn.Module) -> None:
         for table in per_table.values():
             if "weight" in dict(table.named_buffers(recurse=False)):
                 delattr(table, "weight")
+
+
+def managed_collision_parts(
+    module: ManagedCollisionEmbeddingBagCollection,
+) -> tuple[EmbeddingBagCollection, dict[str, MCHManagedCollisionModule]]:
+    """A managed-collision EBC's embedding bags, and its MCH module per table."""
+    remaps = module._managed_collision_collection._managed_collision_modules
+    return module._embedding_module, dict(remaps.items())  # type: ignore[return-value]
+
+
+def mch_slot_owners(module: MCHManagedCollisionModule) -> torch.Tensor:
+    """The raw id that owns each of an MCH module's slots: int64 [zch_size], ``MCH_FREE_SLOT``
+    where none does. MCH keeps its raw ids sorted, each beside its slot."""
+    sorted_ids, slots = module._mch_sorted_raw_ids, module._mch_remapped_ids_mapping
+    owners = torch.full_like(sorted_ids, MCH_FREE_SLOT)
+    owners[slots - module._output_global_offset] = sorted_ids
+    return owners
+

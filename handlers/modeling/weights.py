@@ -1,9 +1,10 @@
 """The served model's weights: quantized table rows in FBGEMM's layout plus the dense parameters,
 and ``weights.pt``, the file that holds them.
 
-``weights.pt`` is ``{"tbe.0": uint8 [host size], ..., "dense.<param>": tensor, ...}``: one flat
-buffer per table-batched module, exactly as FBGEMM lays it out in memory, so a worker memory-maps
-the file and runs its tables in place (page cache shared by every worker, no anonymous copy).
+``weights.pt`` is ``{"tbe.0": uint8 [host size], ..., "dense.<param>": tensor, ...,
+"slot_owners.<table>": int64 [rows]}``: one flat buffer per table-batched module, exactly as FBGEMM
+lays it out in memory, so a worker memory-maps the file and runs its tables in place (page cache
+shared by every worker, no anonymous copy); and each raw-id table's slot owners, row-aligned.
 """
 
 from __future__ import annotations
@@ -29,28 +30,38 @@ class InferenceWeights:
     ``dense``: the float parameters of everything but the tables.
     ``buffers``: when the tables are views into FBGEMM's flat weight buffers (one per TBE, as saved
     in ``weights.pt``), those buffers; an unsharded CPU model then runs on them without a copy.
+    ``slot_owners[name]``: a raw-id table's raw id per row, int64 [rows] (``handlers.modeling.raw_ids``).
     """
 
     tables: dict[str, TableRows]
     dense: dict[str, torch.Tensor]
     buffers: list[torch.Tensor] | None = None
+    slot_owners: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
-def save_weights_file(buffers: list[torch.Tensor], dense: dict[str, torch.Tensor], path: Path) -> None:
+_SECTIONS = ("dense.", "slot_owners.")
+
+
+def save_weights_file(
+    buffers: list[torch.Tensor], dense: dict[str, torch.Tensor], path: Path, slot_owners: dict[str, torch.Tensor]
+) -> None:
     flat = {f"tbe.{i}": b for i, b in enumerate(buffers)}
-    flat.update({f"dense.{k}": v for k, v in dense.items()})
+    for section, tensors in zip(_SECTIONS, (dense, slot_owners)):
+        flat.update({f"{section}{k}": v for k, v in tensors.items()})
     torch.save(flat, path)
 
 
-def load_weights_file(path: Path, num_buffers: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Memory-maps ``weights.pt``: (the TBE buffers, the dense state)."""
+def load_weights_file(
+    path: Path, num_buffers: int
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Memory-maps ``weights.pt``: (the TBE buffers, the dense state, the slot owners)."""
     flat = torch.load(path, mmap=True, weights_only=True)
     buffers = [flat.get(f"tbe.{i}") for i in range(num_buffers)]
     if any(b is None for b in buffers) or f"tbe.{num_buffers}" in flat:
         stored = sorted(k for k in flat if k.startswith("tbe."))
         raise CheckpointError(f"{path}: holds {stored}, the spec needs {num_buffers} TBE buffers")
-    dense = {k[len("dense.") :]: v for k, v in flat.items() if k.startswith("dense.")}
-    return buffers, dense  # type: ignore[return-value]
+    dense, owners = ({k[len(s) :]: v for k, v in flat.items() if k.startswith(s)} for s in _SECTIONS)
+    return buffers, dense, owners  # type: ignore[return-value]
 
 
 def fill_random_table(

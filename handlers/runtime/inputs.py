@@ -78,17 +78,23 @@ class Limits:
     max_items_per_forward: int = 4096
 
 
+# The raw id TorchRec's MCH module marks a free slot with (int64 max): a raw-id feature refuses it.
+MCH_FREE_SLOT = (1 << 63) - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Feature:
     """One sparse feature and the row count of the table it looks up (its ids: ``0..rows-1``);
     ``max_length``: the most ids of one sequence, for a feature of a sequence (unpooled) table,
     else None (bags: the limits' ``max_ids_per_bag``); ``pruned_table``: the table's name where
-    it is pruned (some of its ids look up a zero row: ``handlers.runtime.pruned_ids``)."""
+    it is pruned (some of its ids look up a zero row: ``handlers.runtime.pruned_ids``);
+    ``raw_ids``: its ids are raw int64 ids (any but ``MCH_FREE_SLOT``), mapped to rows in the model."""
 
     name: str
     rows: int
     max_length: int | None = None
     pruned_table: str | None = None
+    raw_ids: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

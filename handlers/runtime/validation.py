@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from handlers.runtime.errors import BadRequest
-from handlers.runtime.inputs import Feature, InputSchema, OutOfRangePolicy
+from handlers.runtime.inputs import MCH_FREE_SLOT, Feature, InputSchema, OutOfRangePolicy
 
 FieldOf = Callable[[int, int, "int | None"], str]
 
@@ -43,10 +43,13 @@ class RequestChecks:
 
 class _IdChecks:
     """The checks of one jagged input's features: each one's cap (a sequence feature's
-    ``max_length``, else ``max_ids_per_bag``) and its table's rows."""
+    ``max_length``, else ``max_ids_per_bag``) and its table's rows; a raw-id feature takes any
+    int64 id but MCH's free-slot marker (the model maps them to rows)."""
 
     def __init__(self, features: Sequence[Feature], bag_cap: int, policy: OutOfRangePolicy) -> None:
-        self.rows = np.asarray([f.rows for f in features], dtype=np.int64)
+        self.raw = np.asarray([f.raw_ids for f in features], dtype=bool)
+        # a raw id is never beyond its "rows" (the marker, the one id that would be, is refused first)
+        self.rows = np.asarray([MCH_FREE_SLOT if f.raw_ids else f.rows for f in features], dtype=np.int64)
         self.caps = np.asarray([f.max_length or bag_cap for f in features], dtype=np.int64)
         self.smallest_cap = int(self.caps.min()) if len(features) else bag_cap
         self.sequences = [f.max_length is not None for f in features]
@@ -62,8 +65,20 @@ class _IdChecks:
                 f"{int(lengths[f, i])} ids exceed the limit of {cap} per {what}",
                 "too_large",
             )
-        if (ids < 0).any():
-            k = int(np.argmax(ids < 0))
+        negative = ids < 0
+        if self.raw.any():
+            raw = np.repeat(self.raw, lengths.sum(axis=1))
+            reserved = raw & (ids == MCH_FREE_SLOT)
+            if reserved.any():
+                k = int(np.argmax(reserved))
+                raise BadRequest(
+                    field_of(*bag_position(lengths, k)),
+                    f"raw id {MCH_FREE_SLOT} is reserved (managed collisions mark a free slot with it)",
+                    "id_out_of_range",
+                )
+            negative &= ~raw
+        if negative.any():
+            k = int(np.argmax(negative))
             raise BadRequest(
                 field_of(*bag_position(lengths, k)), f"ids must be >= 0, got {ids[k]}", "id_out_of_range"
             )

@@ -22,7 +22,7 @@ def test_rows_quantized_alone_equal_the_whole_table_quantized_by_torchrec(tiny_s
     factory = DLRMFactory(tiny_spec)
     factory.save_weights(factory.quantize(tiny_float_model), tmp_path / "weights.pt")
     layout = factory.tables_layout(tmp_path / "weights.pt")
-    buffers, _ = load_weights_file(tmp_path / "weights.pt", 1 + max(t.buffer for t in layout.tables))
+    buffers, *_ = load_weights_file(tmp_path / "weights.pt", 1 + max(t.buffer for t in layout.tables))
     floats = {n.split(".")[-2]: p for n, p in tiny_float_model.named_parameters() if ".embedding_bags." in n}
     assert {t.dtype for t in layout.tables} == {"int8", "int4", "fp16", "fp32"}
     for table in layout.tables:

@@ -30,8 +30,9 @@ from handlers.runtime.freshness.log import log_entries
 
 logger = logging.getLogger(__name__)
 
-# The table buffers among a compiled package's constants: the TBEs' own, never swapped.
-_TABLE_CONSTANT = re.compile(r"\.tbes\.\d+\.")
+# The table state among a compiled package's constants, never swapped with the dense weights:
+# the TBEs' buffers, and raw-id tables' slot maps (handlers.modeling.raw_ids.SlotRemap).
+_TABLE_CONSTANT = re.compile(r"\.tbes\.\d+\.|\.raw_id_remaps\.")
 
 
 @runtime_checkable

@@ -89,7 +89,10 @@ def int_array(values: list[Any], locate: Locate) -> np.ndarray:
     """JSON integers -> int64 array; bools, floats, strings and huge ints are a ``BadRequest``."""
     if not set(map(type, values)) <= {int}:
         k = next(k for k, v in enumerate(values) if type(v) is not int)
-        raise BadRequest(locate(k), f"must be an integer id, got {values[k]!r}")
+        value = values[k]
+        if type(value) is float and abs(value) >= 2**63:  # orjson reads an integer past int64 as a float
+            raise BadRequest(locate(k), f"must be an integer id within int64's range, got {value!r}")
+        raise BadRequest(locate(k), f"must be an integer id, got {value!r}")
     try:
         return np.array(values, dtype=np.int64)
     except OverflowError:

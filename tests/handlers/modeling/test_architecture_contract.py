@@ -158,7 +158,8 @@ MODEL_FAULTS = [
     ("missing table", 'nn.ModuleDict({"embeddings": tables.bags("t_user")})', "nn.ModuleDict()", False,
      r"tables: \['t_user'\] are in the spec but in none of the model's embedding collections"),
     ("managed collisions", _ITEM_BAGS, _MANAGED_ITEM_BAGS, False,
-     "item_bags: ManagedCollisionEmbeddingBagCollection: managed-collision \\(raw id\\) tables are not served yet"),
+     "item_bags: ManagedCollisionEmbeddingBagCollection: managed collisions are served for tables with ids: raw, "
+     "in the collection EmbeddingTables.bags makes of them"),
     ("unknown table", 'tables.bags("t_user")', 'tables.bags("t_users")', False,
      r"tables: the architecture asks for \['t_users'\], the spec has"),
     ("pooled as a sequence", 'tables.bags("t_user")', 'tables.sequences("t_user")', False,

@@ -11,7 +11,15 @@ from tests.helpers import forward, items_request, model_inputs, sharded, with_ta
 from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (  # isort: skip
     IntNBitTableBatchedEmbeddingBagsCodegen as TBE,
 )
-from torchrec import KeyedJaggedTensor  # isort: skip
+from handlers.runtime.inputs import MCH_FREE_SLOT
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor  # isort: skip
+from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection  # isort: skip
+from torchrec.modules.mc_modules import (  # isort: skip
+    LFU_EvictionPolicy,
+    ManagedCollisionCollection,
+    MCHManagedCollisionModule,
+)
+from torchrec.sparse.jagged_tensor import JaggedTensor  # isort: skip
 from torchrec.distributed import global_settings  # isort: skip
 
 
@@ -123,3 +131,27 @@ def test_a_quantized_embedding_collection_keeps_its_tbes_and_per_table_weight_vi
     assert view.data_ptr() == rows.data_ptr(), "the table's weight view no longer shows the attached rows"
     tbe.drop_table_views(model)
     assert "weight" not in dict(collection.embeddings["t_item"].named_buffers(recurse=False))
+
+
+def test_mch_keeps_its_slot_owners_sorted_beside_their_slots_and_marks_free_ones_with_int64_max():
+    """managed_collision_parts and mch_slot_owners rely on TorchRec's managed-collision EBC
+    keeping its EBC and MCH modules as ``_embedding_module`` and
+    ``_managed_collision_collection._managed_collision_modules``, and on MCH keeping
+    ``_mch_sorted_raw_ids`` (free slots: int64 max, ``MCH_FREE_SLOT``) beside
+    ``_mch_remapped_ids_mapping`` (each one's slot, from ``_output_global_offset``)."""
+    config = EmbeddingBagConfig(name="t", num_embeddings=8, embedding_dim=4, feature_names=["f"])
+    ebc = EmbeddingBagCollection(tables=[config])
+    mch = MCHManagedCollisionModule(zch_size=8, device=torch.device("cpu"), eviction_policy=LFU_EvictionPolicy(),
+                                    eviction_interval=1)
+    mc_ebc = ManagedCollisionEmbeddingBagCollection(ebc, ManagedCollisionCollection({"t": mch}, [config]))
+    bags, remaps = tbe.managed_collision_parts(mc_ebc)
+    assert bags is ebc and remaps == {"t": mch}
+    assert torch.equal(tbe.mch_slot_owners(mch), torch.full((8,), MCH_FREE_SLOT))
+    mc_ebc.train()
+    ids = torch.tensor([-5, 7, 2**62, -5])
+    mc_ebc(KeyedJaggedTensor(keys=["f"], values=ids, lengths=torch.tensor([4])))  # an eviction every step
+    owners = tbe.mch_slot_owners(mch)
+    assert sorted(owners[owners != MCH_FREE_SLOT].tolist()) == [-5, 7, 2**62]
+    mc_ebc.eval()
+    remapped = mch.remap({"t": JaggedTensor(values=ids, lengths=torch.ones(4, dtype=torch.int64))})["t"].values()
+    assert [int(owners[slot]) for slot in remapped] == ids.tolist(), "each id's slot is owned by that id"

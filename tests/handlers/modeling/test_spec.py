@@ -75,6 +75,7 @@ def test_dlrm_spec_refuses_context_keys():
 
 
 _DELETE = object()
+_RAW_USER = {"name": "t_user", "rows": 1000, "dim": 8, "features": ["user_id"], "ids": "raw", "remap": {"kind": "mch"}}
 
 
 def _edit(path, value):
@@ -123,6 +124,18 @@ def _edit(path, value):
         (["extra"], 1, "extra: unknown key"),
         (["dense_precision"], {"over_arch": "int2"}, "dense_precision.over_arch: must be 'fp32', 'bf16'"),
         (["dense_precision"], {"context_arch": "bf16"}, "dense_precision.context_arch: not a dense submodule of dlrm"),
+        (["tables", 0, "ids"], "raw", "tables[0].remap: a table with ids raw names its remap, and only such a table"),
+        (["tables", 0, "remap"], {"kind": "mch"}, "tables[0].remap: a table with ids raw names its remap"),
+        (["tables", 0], {**_RAW_USER, "remap": {"kind": "zch"}}, "tables[0].remap.kind: zch tables are not served yet"),
+        (["tables", 0], {**_RAW_USER, "remap": {"kind": "mch", "unseen": "zero"}},
+         "tables[0].remap.unseen: zero is not served yet"),
+        (["tables", 0], {**_RAW_USER, "remap": {"kind": "mch", "eviction": "fifo"}},
+         "tables[0].remap.eviction: must be 'lfu', 'lru' or 'distance_lfu', got 'fifo'"),
+        (["tables", 0], {**_RAW_USER, "remap": {"kind": "mch", "eviction_interval": 0}},
+         "tables[0].remap.eviction_interval: must be greater than 0"),
+        (["tables", 0], {**_RAW_USER, "sharding": "table_wise"}, "tables[0].sharding: ids raw: raw-id tables are served unsharded"),
+        (["tables", 0], {**_RAW_USER, "shard": "a"}, "tables[0].shard: ids raw: raw-id tables are not placed on shards yet"),
+        (["tables", 0], {**_RAW_USER, "pooling": "none"}, "tables[0].pooling: ids raw: sequence tables with raw ids"),
     ],
 )
 def test_bad_spec_names_the_key(path, value, message):

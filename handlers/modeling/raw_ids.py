@@ -1,0 +1,171 @@
+"""Raw-id tables (``ids: raw``): the float collection a model trains with TorchRec's managed
+collisions, and the served one that maps raw ids to slots in the graph, exactly as TorchRec's
+eval remap does.
+
+A raw-id table's state, besides its rows, is its slot owners: int64 [rows], the raw id each slot
+(row) belongs to, ``MCH_FREE_SLOT`` where none does. The archive keeps them row-aligned with the
+rows; each served remap sorts them once, at load.
+
+    float:   ManagedBags(tables)                 # KJT of raw ids -> KeyedTensor (trains, remaps)
+    served:  RawIdBags(quantized_ebc, tables)    # the same, on the quantized tables
+             served.load_slot_owners({"t_user": owners})
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from handlers.modeling.remap_spec import MchEviction
+from handlers.modeling.spec import TableSpec
+from handlers.modeling.tbe import managed_collision_parts, mch_slot_owners
+from handlers.runtime.inputs import MCH_FREE_SLOT
+
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor  # isort: skip
+from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection  # isort: skip
+from torchrec.modules.mc_modules import (  # isort: skip
+    DistanceLFU_EvictionPolicy,
+    LFU_EvictionPolicy,
+    LRU_EvictionPolicy,
+    ManagedCollisionCollection,
+    MCHManagedCollisionModule,
+)
+
+_EVICTION = {
+    MchEviction.LFU: LFU_EvictionPolicy,
+    MchEviction.LRU: LRU_EvictionPolicy,
+    MchEviction.DISTANCE_LFU: DistanceLFU_EvictionPolicy,
+}
+
+
+class ManagedBags(nn.Module):
+    """The float, trainable collection of raw-id tables: TorchRec's managed-collision EBC (one MCH
+    module per table), answering a ``KeyedTensor`` as an ``EmbeddingBagCollection`` does. Its
+    state-dict names are those of TorchRec's ``McEmbeddingBagCollectionAdapter``, so a model
+    trained with that adapter loads as it is."""
+
+    def __init__(self, ebc: EmbeddingBagCollection, tables: Sequence[TableSpec], device: torch.device) -> None:
+        super().__init__()
+        remaps = {}
+        for table in tables:
+            assert table.remap is not None, "ManagedBags holds raw-id tables only"
+            remaps[table.name] = MCHManagedCollisionModule(
+                zch_size=table.rows,
+                device=device,
+                eviction_policy=_EVICTION[table.remap.eviction](),
+                eviction_interval=table.remap.eviction_interval,
+            )
+        configs = ebc.embedding_bag_configs()
+        self.mc_embedding_bag_collection = ManagedCollisionEmbeddingBagCollection(
+            ebc, ManagedCollisionCollection(remaps, configs), return_remapped_features=False
+        )
+
+    @property
+    def bags(self) -> EmbeddingBagCollection:
+        return managed_collision_parts(self.mc_embedding_bag_collection)[0]
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self.bags.embedding_bag_configs()
+
+    def slot_owners(self) -> dict[str, torch.Tensor]:
+        """Each table's slot owners, as its MCH module holds them now."""
+        _, remaps = managed_collision_parts(self.mc_embedding_bag_collection)
+        return {name: mch_slot_owners(module) for name, module in remaps.items()}
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        pooled, _ = self.mc_embedding_bag_collection(features)
+        return pooled
+
+
+class SlotRemap(nn.Module):
+    """One table's raw id -> slot map, as TorchRec's MCH computes it in eval: a raw id that owns
+    a slot gets it, any other the table's last slot (its default row). ``sorted_ids`` /
+    ``slots``: the owners, sorted, and the slot of each."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.register_buffer("sorted_ids", torch.full((rows,), MCH_FREE_SLOT, dtype=torch.int64))
+        self.register_buffer("slots", torch.arange(rows, dtype=torch.int64))
+        self.default_slot = rows - 1
+
+    def load(self, owners: torch.Tensor) -> None:
+        """Takes the slot owners (int64 [rows], row-aligned)."""
+        if owners.shape != self.sorted_ids.shape or owners.dtype != torch.int64:
+            raise ValueError(
+                f"slot owners must be int64 [{self.sorted_ids.shape[0]}], got {owners.dtype} {list(owners.shape)}"
+            )
+        order = torch.argsort(owners, stable=True)
+        self.sorted_ids = owners[order]
+        self.slots = order
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Raw ids int64 [V] -> slots int64 [V]."""
+        found = torch.searchsorted(self.sorted_ids[:-1], ids)
+        owned = self.sorted_ids[found] == ids
+        return torch.where(owned, self.slots[found], self.default_slot)
+
+
+class RawIdBags(nn.Module):
+    """The served collection of raw-id tables: each feature's raw ids through its table's
+    ``SlotRemap``, then the quantized bags. ``raw_id_remaps`` are filled by
+    ``load_slot_owners``."""
+
+    def __init__(self, bags: nn.Module, tables: Sequence[TableSpec]) -> None:
+        super().__init__()
+        self.bags = bags
+        self.raw_id_remaps = nn.ModuleDict({t.name: SlotRemap(t.rows) for t in tables})
+        self._table_of = {f: t.name for t in tables for f in t.features}
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self.bags.embedding_bag_configs()  # type: ignore[operator]
+
+    def load_slot_owners(self, owners: Mapping[str, torch.Tensor]) -> None:
+        missing = sorted(set(self.raw_id_remaps) - set(owners))
+        if missing:
+            raise ValueError(f"raw-id tables {missing} come without their slot owners")
+        for name, remap in self.raw_id_remaps.items():
+            remap.load(owners[name])  # type: ignore[operator]
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        keys = features.keys()
+        per_feature = torch.split(features.values(), features.length_per_key())
+        slots = [self.raw_id_remaps[self._table_of[key]](ids) for key, ids in zip(keys, per_feature)]
+        remapped = KeyedJaggedTensor(
+            keys=keys,
+            values=torch.cat(slots),
+            lengths=features.lengths(),
+            weights=features.weights_or_none(),
+            stride=features.stride(),
+        )
+        return self.bags(remapped)
+
+
+def slot_owners(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every raw-id table's slot owners in a float model (none: ``{}``)."""
+    return {
+        name: owners
+        for module in model.modules() if isinstance(module, ManagedBags)
+        for name, owners in module.slot_owners().items()
+    }
+
+
+def load_slot_owners(model: nn.Module, owners: Mapping[str, torch.Tensor]) -> None:
+    """Fills every ``RawIdBags`` of a served model with its tables' slot owners."""
+    for module in model.modules():
+        if isinstance(module, RawIdBags):
+            module.load_slot_owners(owners)
+
+
+def random_slot_owners(rows: int, generator: torch.Generator) -> torch.Tensor:
+    """Distinct random raw ids over the whole int64 range for all slots but the last (left free,
+    as training leaves it until the table is full): for models built without a checkpoint."""
+    owners = torch.full((rows,), MCH_FREE_SLOT, dtype=torch.int64)
+    drawn = torch.randint(-(2**63), MCH_FREE_SLOT, (rows - 1,), generator=generator, dtype=torch.int64)
+    # a repeat among 2^64 values is rare; each one found is drawn again
+    while len(unique := torch.unique(drawn)) < len(drawn):
+        extra = torch.randint(-(2**63), MCH_FREE_SLOT, (len(drawn) - len(unique),), generator=generator)
+        drawn = torch.cat([unique, extra])
+    owners[: rows - 1] = drawn
+    return owners

@@ -1,0 +1,214 @@
+"""Raw 64-bit ids (``ids: raw``): a DLRM trained with TorchRec's managed collisions (MCH) on
+Zipf-distributed raw ids spread over the whole int64 range, built into every artifact kind and
+served by the real TorchServe; TorchRec's own eval model is the reference throughout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from archive_tools.build import build_archive
+from archive_tools.delta import DeltaSource, make_delta
+from archive_tools.local_server import LocalTorchServe
+from archive_tools.model_config import ServingConfig
+from handlers.modeling import tbe
+from handlers.modeling.errors import SpecError
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.raw_ids import RawIdBags
+from handlers.modeling.registry import input_schema
+from handlers.modeling.spec import ModelSpec
+from handlers.runtime.artifacts import Artifact
+from handlers.runtime.errors import BadRequest, InputError
+from handlers.runtime.inputs import MCH_FREE_SLOT
+from handlers.runtime.split import SplitPlan
+from handlers.runtime.wire.decoder import RequestDecoder
+from handlers.runtime.wire.messages import Rejected
+from tests.helpers import QUANTIZATION_TOLERANCE, archive_service, float_scores, items_request
+
+from torchrec import KeyedJaggedTensor  # isort: skip
+from torchrec.sparse.jagged_tensor import JaggedTensor  # isort: skip
+
+pytestmark = pytest.mark.integration
+
+EVICTIONS = {"t_user": "lfu", "t_item": "lru", "t_category": "distance_lfu", "t_hour": "lfu"}
+ROWS = {"t_user": 300, "t_item": 200, "t_category": 40, "t_hour": 24}
+VOCABULARY = 4000  # raw ids the training draws from (Zipf): more than any table has slots
+EXTREMES = [MCH_FREE_SLOT - 1, -(2**63), 2**53 + 1, -(2**53) - 1, 0]  # each must arrive exactly
+
+
+def raw_spec(tiny_spec: ModelSpec) -> ModelSpec:
+    """tiny with every table's ids raw, one MCH eviction policy or another."""
+    tables = [
+        {**t.model_dump(mode="json"), "rows": ROWS[t.name], "ids": "raw",
+         "remap": {"kind": "mch", "eviction": EVICTIONS[t.name], "eviction_interval": 2}}
+        for t in tiny_spec.tables
+    ]
+    return tiny_spec.replace(name="tiny_raw", tables=tables)
+
+
+def _zipf_batch(spec: ModelSpec, vocabulary: torch.Tensor, generator: torch.Generator, n: int = 64):
+    features = len(spec.feature_names)
+    lengths = torch.randint(0, 4, (features * n,), generator=generator)
+    ranks = torch.distributions.Pareto(1.0, 0.6).sample((int(lengths.sum()),)).long() - 1  # Zipf-like, long-tailed
+    values = vocabulary[ranks.clamp_max(len(vocabulary) - 1)]
+    ids = KeyedJaggedTensor(keys=list(spec.feature_names), values=values, lengths=lengths)
+    return torch.randn(n, spec.dense_features, generator=generator), ids
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_spec, tmp_path_factory):
+    """(spec, its YAML, the trained float model in eval, its checkpoint): 30 SGD steps, MCH
+    assigning slots to raw ids and evicting them as it goes."""
+    folder = tmp_path_factory.mktemp("raw")
+    spec = raw_spec(tiny_spec)
+    spec.to_yaml(folder / "tiny_raw.yaml")
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    vocabulary = torch.randint(-(2**63), MCH_FREE_SLOT, (VOCABULARY,), generator=generator)
+    model = DLRMFactory(spec).float_model(seed=0).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(30):
+        dense, ids = _zipf_batch(spec, vocabulary, generator)
+        clicks = (dense[:, 0] > 0).float()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, ids).reshape(-1), clicks)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    torch.save(model.state_dict(), folder / "checkpoint.pt")
+    return spec, folder / "tiny_raw.yaml", model, folder / "checkpoint.pt"
+
+
+@pytest.fixture(scope="module")
+def archives(trained, tmp_path_factory) -> dict[str, Path]:
+    _, spec_path, _, checkpoint = trained
+    store = tmp_path_factory.mktemp("raw_store")
+    kinds = {"eager": (Artifact.EAGER, None), "exported": (Artifact.EXPORTED, None), "aoti": (Artifact.AOTI, None),
+             "split": (Artifact.SPLIT, SplitPlan(sparse=Artifact.EXPORTED, dense=Artifact.EXPORTED))}
+    return {
+        kind: build_archive(
+            spec_path, checkpoint=checkpoint, seed=0, name=f"tiny_raw_{kind}", version="1.0", model_store=store,
+            serving=ServingConfig(batch_size=8, max_batch_delay_ms=20), artifact=artifact, split=split,
+        )
+        for kind, (artifact, split) in kinds.items()
+    }
+
+
+def _owners(model) -> dict[str, torch.Tensor]:
+    return model.sparse_arch.embedding_bag_collection.slot_owners()
+
+
+def _owned(model) -> dict[str, torch.Tensor]:
+    return {name: ids[ids != MCH_FREE_SLOT] for name, ids in _owners(model).items()}
+
+
+def _request(spec: ModelSpec, model, seed: int, items: int = 12) -> dict:
+    """Items whose bags mix ids the model owns slots for, unseen ids, and ``EXTREMES``."""
+    request = items_request(spec, items, seed=seed, max_bag=4, slot_owners=_owners(model))
+    request["items"][0]["sparse"]["user_id"] = EXTREMES
+    return request
+
+
+def test_the_remap_is_torchrecs_eval_remap_on_a_million_ids(trained):
+    """The served model's slot of every id equals TorchRec's MCH module's in eval, for ids it
+    owns slots for and ids it has never seen (half each), table by table."""
+    spec, _, model, _ = trained
+    factory = DLRMFactory(spec)
+    served = factory.inference_model(factory.quantize(model))
+    remaps = served.sparse_arch.embedding_bag_collection
+    assert isinstance(remaps, RawIdBags)
+    _, mch_modules = tbe.managed_collision_parts(model.sparse_arch.embedding_bag_collection.mc_embedding_bag_collection)
+    generator = torch.Generator().manual_seed(1)
+    unseen_shares = {}
+    for name, owned in _owned(model).items():
+        assert len(owned) > ROWS[name] // 2, f"{name}: training gave few slots an owner"
+        seen = owned[torch.randint(0, len(owned), (500_000,), generator=generator)]
+        anywhere = torch.randint(-(2**63), MCH_FREE_SLOT, (500_000,), generator=generator)
+        ids = torch.cat([seen, anywhere, torch.tensor(EXTREMES)])
+        lengths = torch.ones(len(ids), dtype=torch.int64)
+        expected = mch_modules[name].remap({name: JaggedTensor(values=ids, lengths=lengths)})[name].values()
+        slots = remaps.raw_id_remaps[name](ids)
+        assert torch.equal(slots, expected), name
+        unseen_shares[name] = float((slots[500_000:] == ROWS[name] - 1).float().mean())
+    assert all(share > 0.99 for share in unseen_shares.values()), unseen_shares  # random ids are unseen
+
+
+def test_served_scores_are_the_trained_models_within_quantization(trained, archives):
+    """Guards TorchRec's trap (its quantized managed-collision module made from the float one
+    alone serves random tables): the eager archive scores as the trained float model."""
+    spec, _, model, _ = trained
+    service = archive_service(archives["eager"])
+    for seed in range(3):
+        request = _request(spec, model, seed)
+        body = orjson.loads(service.handle([orjson.dumps(request)]).responses[0].body)
+        torch.testing.assert_close(
+            torch.tensor(body["scores"]), float_scores(model, spec, request), atol=QUANTIZATION_TOLERANCE, rtol=0
+        )
+
+
+def test_every_artifact_kind_remaps_as_eager(trained, archives):
+    spec, _, model, _ = trained
+    services = {kind: archive_service(path) for kind, path in archives.items()}
+    requests = [orjson.dumps(_request(spec, model, seed, items)) for seed, items in ((5, 1), (6, 9), (7, 40))]
+    expected = [orjson.loads(r.body)["scores"] for r in services.pop("eager").handle(requests).responses]
+    for kind, service in services.items():
+        scores = [orjson.loads(r.body)["scores"] for r in service.handle(requests).responses]
+        for got, want in zip(scores, expected):
+            assert got == pytest.approx(want, abs=1e-6), kind
+
+
+def test_raw_ids_arrive_exactly_and_the_free_slot_marker_is_refused(trained):
+    spec, _, model, _ = trained
+    decoder = RequestDecoder(input_schema(spec))
+    request = _request(spec, model, 9, items=1)
+    ids = decoder.decode(orjson.dumps(request)).inputs.tensors["sparse_features"]
+    user_ids = dict(zip(spec.feature_names, ids.per_feature()))["user_id"]
+    assert user_ids.tolist() == EXTREMES  # no float round trip: 2^63-2 and 2^53+1 kept
+    for bad, problem in ((MCH_FREE_SLOT, "reserved"), (2**63, "out of int64 range"), (-(2**63) - 1, "within int64's range")):
+        request["items"][0]["sparse"]["user_id"] = [5, bad]
+        with pytest.raises(Rejected) as refused:
+            decoder.decode(json.dumps(request).encode())  # orjson writes no integer past 64 bits
+        error = refused.value.error
+        assert isinstance(error, BadRequest) and error.field == "items[0].sparse.user_id[1]", error.message
+        assert problem in error.message
+
+
+def test_served_by_torchserve_with_the_extremes_and_a_reserved_id_refused(trained, archives):
+    spec, _, model, _ = trained
+    reference = archive_service(archives["eager"])
+    with LocalTorchServe(model_store=archives["aoti"].parent) as server:
+        assert server.register(archives["aoti"].name, initial_workers=1).status_code == 200
+        for seed in (11, 12):
+            request = _request(spec, model, seed)
+            response = server.predict("tiny_raw_aoti", request)
+            assert response.status_code == 200, response.text
+            expected = orjson.loads(reference.handle([orjson.dumps(request)]).responses[0].body)["scores"]
+            assert response.json()["scores"] == pytest.approx(expected, abs=1e-6)
+        request["items"][1]["sparse"]["item_id"] = [3, MCH_FREE_SLOT]
+        response = server.predict("tiny_raw_aoti", request)
+        assert response.status_code == 400 and response.json()["field"] == "items[1].sparse.item_id[1]"
+
+
+def test_a_collection_mixing_raw_and_index_tables_and_row_deltas_are_refused(trained, tiny_spec, archives):
+    spec, _, _, checkpoint = trained
+    mixed = spec.replace(tables=[spec.tables[0], *tiny_spec.tables[1:]])
+    with pytest.raises(SpecError, match=r"\['t_user'\] \(ids raw\) and .* \(ids index\)"):
+        DLRMFactory(mixed).float_model(seed=0)
+    with pytest.raises(InputError, match="take raw ids: deltas"):
+        make_delta(archives["eager"], DeltaSource(checkpoint=checkpoint), Path("unused.delta"), sequence=1)
+
+
+def test_generated_requests_draw_owned_ids_mostly_and_unseen_ones_across_int64(trained):
+    """What the build verifies on when no validation file is given."""
+    spec, _, model, _ = trained
+    owned = _owned(model)["t_user"].numpy()
+    requests = [items_request(spec, 8, seed=s, slot_owners=_owners(model)) for s in range(20)]
+    ids = np.array([i for r in requests for item in r["items"] for i in item["sparse"]["user_id"]])
+    seen = np.isin(ids, owned)
+    assert 0.6 < seen.mean() < 0.9, seen.mean()
+    assert (ids[~seen] < -(2**40)).any() and (ids[~seen] > 2**40).any()
