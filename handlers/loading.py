@@ -24,6 +24,7 @@ from handlers.runtime.remote.lookups import Shard, ShardCaller, ShardedLookups
 from handlers.runtime.remote.plan import RemotePlan, read_placement
 from handlers.runtime.service import ScoringService
 from handlers.runtime.split import SplitModel, dense_tags, sparse_tags
+from handlers.runtime.unseen_ids import UnseenIdCounter
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ def load_service(
     return ScoringService(
         schema, runner, model_name, threads_for=options.threads_for, model_version=model_version,
         pruned_ids=PrunedIdCounter.of_archive(model_dir, schema),
+        unseen_ids=UnseenIdCounter.of_runner(schema, runner),
     )
 
 

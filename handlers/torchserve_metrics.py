@@ -10,6 +10,8 @@
 | ``HandlerRejectedRequests`` | counter | ``Reason`` | 4xx answers, by ``BadRequest`` reason |
 | ``HandlerHashedIds`` | counter | | ids outside their table, hashed by the ``hash`` policy |
 | ``HandlerPrunedIds`` | counter | ``Table`` | ids of a pruned table that have no row (they look up a zero row) |
+| ``HandlerUnseenIds`` | counter | ``Table`` | ids of a raw-id table that own no slot (they look up its default row) |
+| ``HandlerRawIds`` | counter | ``Table`` | ids of a raw-id table looked up; unseen / raw = the unseen share |
 | ``ShardCalls`` | counter | ``Shard``, ``Outcome`` | a dense host's calls to its embedding shards: ``ok`` or the gRPC status of a failed attempt |
 | ``ShardCallMilliseconds`` | counter | ``Shard`` | time in those calls; / ``ShardCalls`` = mean call time |
 
@@ -64,8 +66,10 @@ class MetricsPublisher:
             pending[("HandlerRejectedRequests", (("Reason", reason),))] += count
         if stats.hashed_ids:
             pending[("HandlerHashedIds", ())] += stats.hashed_ids
-        for table, count in stats.pruned_ids.items():
-            pending[("HandlerPrunedIds", (("Table", table),))] += count
+        for name, counts in (("HandlerPrunedIds", stats.pruned_ids), ("HandlerUnseenIds", stats.unseen_ids),
+                             ("HandlerRawIds", stats.raw_ids)):
+            for table, count in counts.items():
+                pending[(name, (("Table", table),))] += count
         if time.monotonic() - self._last_flush >= self.flush_s:
             self.flush(context)
 

@@ -26,6 +26,7 @@ SLOWEST_FIRST = (
     "tests/integration/test_user_models.py",
     "tests/archive_tools/test_dense_delta.py",
     "tests/handlers/modeling/test_dlrm_dcn.py",
+    "tests/integration/test_raw_ids.py",
     "tests/bench/test_reliability.py",
     "tests/integration/test_publishing.py",
     "tests/bench/test_smoke.py",

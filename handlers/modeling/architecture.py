@@ -161,7 +161,7 @@ class Architecture(abc.ABC):
 def _draw_ids(rng: np.random.Generator, feature: Feature, size: int, owned: np.ndarray | None) -> list[int]:
     """``size`` ids of ``feature``: uniform over its rows, or for raw ids 3 in 4 from ``owned``
     (where given) and the others uniform over int64 (unseen, but for a rare chance)."""
-    if not feature.raw_ids:
+    if feature.raw_id_table is None:
         return rng.integers(0, feature.rows, size=size).tolist()
     anywhere = rng.integers(-(2**63), MCH_FREE_SLOT, size=size, dtype=np.int64)
     if owned is None or not len(owned):
@@ -177,7 +177,7 @@ def _features(spec: Any) -> dict[str, Feature]:
         if table.pooling == Pooling.NONE:
             cap = table.max_sequence_length or spec.limits.max_ids_per_bag
         for name in table.features:
-            raw = table.ids == IdSpace.RAW
+            raw = table.name if table.ids == IdSpace.RAW else None
             found[name] = Feature(name, table.rows, cap, table.name if table.pruned_to else None, raw)
     return found
 

@@ -88,13 +88,14 @@ class Feature:
     ``max_length``: the most ids of one sequence, for a feature of a sequence (unpooled) table,
     else None (bags: the limits' ``max_ids_per_bag``); ``pruned_table``: the table's name where
     it is pruned (some of its ids look up a zero row: ``handlers.runtime.pruned_ids``);
-    ``raw_ids``: its ids are raw int64 ids (any but ``MCH_FREE_SLOT``), mapped to rows in the model."""
+    ``raw_id_table``: the table's name where its ids are raw int64 ids (any but ``MCH_FREE_SLOT``),
+    mapped to rows in the model (``handlers.runtime.unseen_ids``)."""
 
     name: str
     rows: int
     max_length: int | None = None
     pruned_table: str | None = None
-    raw_ids: bool = False
+    raw_id_table: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

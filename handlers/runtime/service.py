@@ -22,6 +22,7 @@ from handlers.runtime.batching import chunk_by_items, coalesce, padding_request,
 from handlers.runtime.errors import BadRequest, InternalError, ServingError
 from handlers.runtime.inputs import InputSchema, JaggedIds, Output, RequestInputs
 from handlers.runtime.pruned_ids import PrunedIdCounter
+from handlers.runtime.unseen_ids import UnseenIdCounter
 from handlers.runtime.wire.decoder import RequestDecoder
 from handlers.runtime.wire.messages import Response
 
@@ -33,14 +34,17 @@ STAGES = ("decode", "coalesce", "forward", "encode")
 @dataclasses.dataclass(frozen=True)
 class BatchStats:
     """One batch: milliseconds spent in each of ``STAGES``, the items of each forward, the
-    requests refused by ``BadRequest`` reason, the ids the out-of-range policy hashed, and per
-    pruned table the ids that looked up a zero row."""
+    requests refused by ``BadRequest`` reason, the ids the out-of-range policy hashed, per
+    pruned table the ids that looked up a zero row, and per raw-id table the ids the model has
+    not seen (they look up its default row) and all its ids."""
 
     stage_ms: dict[str, float]
     forward_items: list[int]
     rejected: dict[str, int]
     hashed_ids: int
     pruned_ids: dict[str, int] = dataclasses.field(default_factory=dict)
+    unseen_ids: dict[str, int] = dataclasses.field(default_factory=dict)
+    raw_ids: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +79,7 @@ class ScoringService:
     ``model_name``, ``model_version``: what answers carry where the protocol names the model; ``threads_for``:
     the intra-op threads for a forward of so many items (None: leave torch's setting alone);
     ``pruned_ids``: counts the ids of pruned tables that have no row (a pruned model's).
+    ``unseen_ids``: counts the ids of raw-id tables that own no slot (a raw-id model's).
     """
 
     def __init__(
@@ -85,9 +90,11 @@ class ScoringService:
         threads_for: Callable[[int], int] | None = None,
         model_version: str | None = None,
         pruned_ids: PrunedIdCounter | None = None,
+        unseen_ids: UnseenIdCounter | None = None,
     ) -> None:
         self.schema = schema
         self.pruned_ids = pruned_ids
+        self.unseen_ids = unseen_ids
         self.model = model
         self.decoder = RequestDecoder(schema, model_name, model_version)
         self.tags = schema.tags
@@ -107,9 +114,15 @@ class ScoringService:
             rejected[error.reason if isinstance(error, BadRequest) else type(error).__name__] += 1
         parts = decoded.parts
         pruned: collections.Counter[str] = collections.Counter()
-        if self.pruned_ids is not None:
-            for part in parts:
+        unseen: collections.Counter[str] = collections.Counter()
+        raw: collections.Counter[str] = collections.Counter()
+        for part in parts:
+            if self.pruned_ids is not None:
                 pruned.update(self.pruned_ids.count(part.inputs))
+            if self.unseen_ids is not None:
+                part_unseen, part_raw = self.unseen_ids.count(part.inputs)
+                unseen.update(part_unseen)
+                raw.update(part_raw)
         forward_items = []
         for chunk in chunk_by_items([p.inputs for p in parts], max_items):
             forward_items.append(sum(parts[i].inputs.num_items for i in chunk))
@@ -138,6 +151,8 @@ class ScoringService:
             rejected=dict(rejected),
             hashed_ids=sum(p.hashed_ids for p in parts),
             pruned_ids=dict(pruned),
+            unseen_ids=dict(unseen),
+            raw_ids=dict(raw),
         )
         return HandledBatch(responses, stats)  # type: ignore[arg-type]  # every index answered
 

@@ -47,9 +47,9 @@ class _IdChecks:
     int64 id but MCH's free-slot marker (the model maps them to rows)."""
 
     def __init__(self, features: Sequence[Feature], bag_cap: int, policy: OutOfRangePolicy) -> None:
-        self.raw = np.asarray([f.raw_ids for f in features], dtype=bool)
+        self.raw = np.asarray([f.raw_id_table is not None for f in features], dtype=bool)
         # a raw id is never beyond its "rows" (the marker, the one id that would be, is refused first)
-        self.rows = np.asarray([MCH_FREE_SLOT if f.raw_ids else f.rows for f in features], dtype=np.int64)
+        self.rows = np.asarray([MCH_FREE_SLOT if raw else f.rows for f, raw in zip(features, self.raw)], np.int64)
         self.caps = np.asarray([f.max_length or bag_cap for f in features], dtype=np.int64)
         self.smallest_cap = int(self.caps.min()) if len(features) else bag_cap
         self.sequences = [f.max_length is not None for f in features]

@@ -245,4 +245,5 @@ def test_the_grafana_dashboard_plots_metrics_the_server_publishes(server, tiny_s
     }
     text = server.scrape("tiny")
     published = {family.name for family in text_string_to_metric_families(text)}
-    assert len(queried) >= 8 and queried <= published, queried - published
+    raw_id_panel = {"HandlerUnseenIds", "HandlerRawIds"}  # published by raw-id models: test_raw_ids checks them
+    assert len(queried) >= 8 and queried - raw_id_panel <= published, queried - published

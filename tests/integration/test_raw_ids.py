@@ -11,6 +11,7 @@ import numpy as np
 import orjson
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from archive_tools.build import build_archive
 from archive_tools.delta import DeltaSource, make_delta
@@ -27,7 +28,8 @@ from handlers.runtime.errors import BadRequest, InputError
 from handlers.runtime.inputs import MCH_FREE_SLOT
 from handlers.runtime.split import SplitPlan
 from handlers.runtime.wire.decoder import RequestDecoder
-from handlers.runtime.wire.messages import Rejected
+from handlers.runtime.wire.messages import BinaryBody, Rejected
+from handlers.runtime.wire.v2_tensors import encode_request
 from tests.helpers import QUANTIZATION_TOLERANCE, archive_service, float_scores, items_request
 
 from torchrec import KeyedJaggedTensor  # isort: skip
@@ -151,15 +153,18 @@ def test_served_scores_are_the_trained_models_within_quantization(trained, archi
         )
 
 
-def test_every_artifact_kind_remaps_as_eager(trained, archives):
+def test_every_artifact_kind_remaps_and_counts_unseen_ids_as_eager(trained, archives):
     spec, _, model, _ = trained
     services = {kind: archive_service(path) for kind, path in archives.items()}
     requests = [orjson.dumps(_request(spec, model, seed, items)) for seed, items in ((5, 1), (6, 9), (7, 40))]
-    expected = [orjson.loads(r.body)["scores"] for r in services.pop("eager").handle(requests).responses]
+    eager = services.pop("eager").handle(requests)
+    expected = [orjson.loads(r.body)["scores"] for r in eager.responses]
+    assert all(eager.stats.unseen_ids.values()) and eager.stats.raw_ids.keys() == set(ROWS)
     for kind, service in services.items():
-        scores = [orjson.loads(r.body)["scores"] for r in service.handle(requests).responses]
-        for got, want in zip(scores, expected):
-            assert got == pytest.approx(want, abs=1e-6), kind
+        handled = service.handle(requests)
+        for got, want in zip(handled.responses, expected):
+            assert orjson.loads(got.body)["scores"] == pytest.approx(want, abs=1e-6), kind
+        assert (handled.stats.unseen_ids, handled.stats.raw_ids) == (eager.stats.unseen_ids, eager.stats.raw_ids), kind
 
 
 def test_raw_ids_arrive_exactly_and_the_free_slot_marker_is_refused(trained):
@@ -178,9 +183,14 @@ def test_raw_ids_arrive_exactly_and_the_free_slot_marker_is_refused(trained):
         assert problem in error.message
 
 
-def test_served_by_torchserve_with_the_extremes_and_a_reserved_id_refused(trained, archives):
+def test_served_by_torchserve_counting_unseen_ids_exactly_and_refusing_a_reserved_id(trained, archives):
+    """The AOTI archive through TorchServe: the extremes scored as in process; each table's unseen
+    ids (owning no slot) and looked-up ids published as HandlerUnseenIds / HandlerRawIds, the
+    metrics the dashboard's raw-id panel divides."""
     spec, _, model, _ = trained
     reference = archive_service(archives["eager"])
+    owned, table_of = _owned(model), {f: t.name for t in spec.tables for f in t.features}
+    unseen, looked_up = dict.fromkeys(owned, 0), dict.fromkeys(owned, 0)
     with LocalTorchServe(model_store=archives["aoti"].parent) as server:
         assert server.register(archives["aoti"].name, initial_workers=1).status_code == 200
         for seed in (11, 12):
@@ -189,9 +199,27 @@ def test_served_by_torchserve_with_the_extremes_and_a_reserved_id_refused(traine
             assert response.status_code == 200, response.text
             expected = orjson.loads(reference.handle([orjson.dumps(request)]).responses[0].body)["scores"]
             assert response.json()["scores"] == pytest.approx(expected, abs=1e-6)
+            for item in request["items"]:
+                for feature, ids in item["sparse"].items():
+                    table = table_of[feature]
+                    unseen[table] += int((~np.isin(ids, owned[table].numpy())).sum())
+                    looked_up[table] += len(ids)
         request["items"][1]["sparse"]["item_id"] = [3, MCH_FREE_SLOT]
         response = server.predict("tiny_raw_aoti", request)
         assert response.status_code == 400 and response.json()["field"] == "items[1].sparse.item_id[1]"
+        published = _published(server.scrape("tiny_raw_aoti"), "tiny_raw_aoti")
+    assert {t: published[("HandlerUnseenIds", t)] for t in owned} == unseen and all(unseen.values())
+    assert {t: published[("HandlerRawIds", t)] for t in owned} == looked_up
+
+
+def _published(text: str, model: str) -> dict[tuple[str, str], float]:
+    """{(counter, Table label): value} of ``model``'s samples in a Prometheus scrape."""
+    return {
+        (family.name, sample.labels["Table"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("ModelName") == model and "Table" in sample.labels
+    }
 
 
 def test_a_collection_mixing_raw_and_index_tables_and_row_deltas_are_refused(trained, tiny_spec, archives):
@@ -212,3 +240,22 @@ def test_generated_requests_draw_owned_ids_mostly_and_unseen_ones_across_int64(t
     seen = np.isin(ids, owned)
     assert 0.6 < seen.mean() < 0.9, seen.mean()
     assert (ids[~seen] < -(2**40)).any() and (ids[~seen] > 2**40).any()
+
+
+def test_binary_int64_tensors_carry_raw_ids_exactly(trained):
+    """KServe v2 binary tensors: the same ids as in JSON, bit for bit; the marker refused by name."""
+    spec, _, _, _ = trained
+    decoder = RequestDecoder(input_schema(spec))
+    features = len(spec.feature_names)
+    lengths = np.array([[len(EXTREMES)]] + [[0]] * (features - 1), dtype=np.int64)  # [F, 1]: user_id's bag
+
+    def body(values: list[int]) -> BinaryBody:
+        arrays = {"dense_features": np.zeros((1, spec.dense_features), np.float32),
+                  "sparse_features.lengths": lengths, "sparse_features.values": np.array(values, np.int64)}
+        return BinaryBody(*encode_request(arrays))
+
+    ids = decoder.decode(body(EXTREMES)).inputs.tensors["sparse_features"]
+    assert ids.values.tolist() == EXTREMES
+    with pytest.raises(Rejected) as refused:
+        decoder.decode(body([*EXTREMES[:-1], MCH_FREE_SLOT]))
+    assert "reserved" in refused.value.error.message and "user_id" in refused.value.error.field
