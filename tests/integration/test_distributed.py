@@ -28,15 +28,14 @@ from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
 from handlers.runtime.archive import Archive
 from handlers.runtime.archive_files import TABLES, WEIGHTS
-from tests.conftest import RANKER_SPEC, TINY_SPEC
+from tests.conftest import TINY_SPEC
 from tests.helpers import items_request
 
 pytestmark = pytest.mark.integration
 
-PLACEMENTS = {  # table -> shard
-    "tiny": {"t_user": "a", "t_category": "a", "t_item": "b", "t_hour": "b"},
-    "ranker": {"t_item": "a", "t_tag": "b", "t_seller": "b"},
-}
+# table -> shard. (A ranker's shard lookups, with weighted ids, are tests/handlers/runtime/
+# test_remote.py's, through the bytes a shard call carries, against shards loaded in process.)
+PLACEMENTS = {"tiny": {"t_user": "a", "t_category": "a", "t_item": "b", "t_hour": "b"}}
 
 
 def _layout(tmp_path_factory, spec_path, replicas: dict[str, int]):
@@ -67,13 +66,6 @@ def tiny(tmp_path_factory):
         yield spec, single_host, running
 
 
-@pytest.fixture(scope="module")
-def ranker(tmp_path_factory):
-    spec, single_host, layout = _layout(tmp_path_factory, RANKER_SPEC, {})
-    with LocalLayout(layout) as running:
-        yield spec, single_host, running
-
-
 def _expected(single_host, request: dict) -> torch.Tensor:
     decoded = single_host.decoder.decode(request)
     (logits,) = single_host.logits([decoded.inputs])
@@ -84,11 +76,10 @@ def _scores(layout: LocalLayout, model: str, request: dict) -> requests.Response
     return layout.dense[0].predict(model, request, timeout_s=30)
 
 
-@pytest.mark.parametrize("fixture", ["tiny", "ranker"])
-def test_scores_equal_the_single_host_model_solo_and_batched(fixture, request):
-    """Multi-hot bags, many items per request, a context row (ranker, with weighted ids): each
-    request alone, then 24 at once (coalesced by the dense host into shared shard calls)."""
-    spec, single_host, layout = request.getfixturevalue(fixture)
+def test_scores_equal_the_single_host_model_solo_and_batched(tiny):
+    """Multi-hot bags, many items per request: each request alone, then 24 at once (coalesced by
+    the dense host into shared shard calls)."""
+    spec, single_host, layout = tiny
     model = f"{spec.name}-dense"
     bodies = [items_request(spec, num_items=1 + k % 7, seed=300 + k, max_bag=4) for k in range(24)]
     for body in bodies[:4]:
