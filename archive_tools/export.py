@@ -29,7 +29,7 @@ from handlers.modeling import tbe
 from handlers.modeling.eager import PlainInputs
 from handlers.runtime.archive_files import aoti_weights_file
 from handlers.runtime.batching import Batch, plain_arguments
-from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds
+from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds, is_slot_map
 from handlers.runtime.quiet import quieter
 from handlers.runtime.torch_internals import kept_as_constants
 
@@ -130,9 +130,10 @@ def compile_aoti(program: torch.export.ExportedProgram, path: Path) -> Path:
 
 
 def _parameter_constants(program: torch.export.ExportedProgram) -> set[str]:
-    """The constant names the program's parameters take in a package: their own, or for a tensor
-    subclass (TorchAO's int8 weights) one per inner tensor (see ``package_constant``)."""
-    names = set()
+    """The constant names the program's parameters and buffers take in a package: their own, or
+    for a tensor subclass (TorchAO's int8 weights) one per inner tensor (see ``package_constant``).
+    A raw-id table's slot maps too, however few their rows: the unseen-id counter reads them."""
+    names = {name for name in program.graph_signature.buffers if is_slot_map(name)}
     for name in program.graph_signature.parameters:
         value = program.state_dict[name]
         if type(value) in (torch.Tensor, torch.nn.Parameter):

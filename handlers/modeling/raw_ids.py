@@ -115,7 +115,7 @@ class RawIdBags(nn.Module):
     def __init__(self, bags: nn.Module, tables: Sequence[TableSpec]) -> None:
         super().__init__()
         self.bags = bags
-        self.raw_id_remaps = nn.ModuleDict({t.name: SlotRemap(t.rows) for t in tables})
+        self.raw_id_remaps = nn.ModuleDict({t.name: SlotRemap(t.rows) for t in tables})  # inputs.SLOT_MAPS
         self._table_of = {f: t.name for t in tables for f in t.features}
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:

@@ -80,6 +80,14 @@ class Limits:
 
 # The raw id TorchRec's MCH module marks a free slot with (int64 max): a raw-id feature refuses it.
 MCH_FREE_SLOT = (1 << 63) - 1
+# The attribute under which a served raw-id collection keeps its tables' slot maps
+# (``handlers.modeling.raw_ids.RawIdBags``): ``raw_id_remaps.<table>.sorted_ids`` and ``.slots``.
+SLOT_MAPS = "raw_id_remaps"
+
+
+def is_slot_map(name: str) -> bool:
+    """Whether a model tensor's name is one of a raw-id table's slot maps (table state, like rows)."""
+    return f"{SLOT_MAPS}." in name
 
 
 @dataclasses.dataclass(frozen=True)

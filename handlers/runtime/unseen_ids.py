@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from handlers.runtime.artifacts import CompiledPackage, Runner
-from handlers.runtime.inputs import InputSchema, JaggedIds, RequestInputs
+from handlers.runtime.inputs import SLOT_MAPS, InputSchema, JaggedIds, RequestInputs
 
-_SLOT_MAP = re.compile(r"(?:^|\.)raw_id_remaps\.(?P<table>[^.]+)\.sorted_ids$")
+_SLOT_MAP = re.compile(rf"(?:^|\.){SLOT_MAPS}\.(?P<table>[^.]+)\.sorted_ids$")
 
 
 class UnseenIdCounter:

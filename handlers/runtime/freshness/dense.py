@@ -26,13 +26,14 @@ import torch
 from handlers.runtime.freshness.applier import AppliedState
 from handlers.runtime.freshness.delta_file import DenseShapes, read_delta, read_header
 from handlers.runtime.freshness.layout import TablesLayout
+from handlers.runtime.inputs import is_slot_map
 from handlers.runtime.freshness.log import log_entries
 
 logger = logging.getLogger(__name__)
 
-# The table state among a compiled package's constants, never swapped with the dense weights:
-# the TBEs' buffers, and raw-id tables' slot maps (handlers.modeling.raw_ids.SlotRemap).
-_TABLE_CONSTANT = re.compile(r"\.tbes\.\d+\.|\.raw_id_remaps\.")
+# The TBEs' buffers among a compiled package's constants: table state, never swapped with the
+# dense weights (nor are raw-id tables' slot maps: unseen_ids.is_slot_map).
+_TABLE_CONSTANT = re.compile(r"\.tbes\.\d+\.")
 
 
 @runtime_checkable
@@ -54,7 +55,7 @@ def dense_slot(runner: object) -> DenseSlot | str:
 
 
 def is_table_constant(name: str) -> bool:
-    return _TABLE_CONSTANT.search(name) is not None
+    return _TABLE_CONSTANT.search(name) is not None or is_slot_map(name)
 
 
 class DenseFollower:
