@@ -82,12 +82,16 @@ class ManagedBags(nn.Module):
 class SlotRemap(nn.Module):
     """One table's raw id -> slot map, as TorchRec's MCH computes it in eval: a raw id that owns
     a slot gets it, any other the table's last slot (its default row). ``sorted_ids`` /
-    ``slots``: the owners, sorted, and the slot of each."""
+    ``slots``: the owners, sorted, and the slot of each. ``unseen`` / ``lookups``: the ids it
+    found no owner for, and all it mapped, since load (counted in the graph, read by
+    ``handlers.runtime.unseen_ids``)."""
 
     def __init__(self, rows: int) -> None:
         super().__init__()
         self.register_buffer("sorted_ids", torch.full((rows,), MCH_FREE_SLOT, dtype=torch.int64))
         self.register_buffer("slots", torch.arange(rows, dtype=torch.int64))
+        for counter in ("unseen", "lookups"):
+            self.register_buffer(counter, torch.zeros((), dtype=torch.int64), persistent=False)
         self.default_slot = rows - 1
 
     def load(self, owners: torch.Tensor) -> None:
@@ -104,6 +108,8 @@ class SlotRemap(nn.Module):
         """Raw ids int64 [V] -> slots int64 [V]."""
         found = torch.searchsorted(self.sorted_ids[:-1], ids)
         owned = self.sorted_ids[found] == ids
+        self.unseen.add_(owned.numel() - owned.sum())
+        self.lookups.add_(owned.numel())
         return torch.where(owned, self.slots[found], self.default_slot)
 
 

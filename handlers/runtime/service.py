@@ -114,15 +114,9 @@ class ScoringService:
             rejected[error.reason if isinstance(error, BadRequest) else type(error).__name__] += 1
         parts = decoded.parts
         pruned: collections.Counter[str] = collections.Counter()
-        unseen: collections.Counter[str] = collections.Counter()
-        raw: collections.Counter[str] = collections.Counter()
-        for part in parts:
-            if self.pruned_ids is not None:
+        if self.pruned_ids is not None:
+            for part in parts:
                 pruned.update(self.pruned_ids.count(part.inputs))
-            if self.unseen_ids is not None:
-                part_unseen, part_raw = self.unseen_ids.count(part.inputs)
-                unseen.update(part_unseen)
-                raw.update(part_raw)
         forward_items = []
         for chunk in chunk_by_items([p.inputs for p in parts], max_items):
             forward_items.append(sum(parts[i].inputs.num_items for i in chunk))
@@ -145,6 +139,7 @@ class ScoringService:
                 scores = split_outputs(torch.sigmoid(output), counts) if self._scores else [None] * len(counts)
                 for index, encoder, request_logits, request_scores in zip(positions, encoders, logits, scores):
                     responses[index] = encoder.answer(request_logits, request_scores)
+        unseen, raw = self.unseen_ids.since_last() if self.unseen_ids is not None else ({}, {})
         stats = BatchStats(
             stage_ms=watch.ms,
             forward_items=forward_items,
@@ -170,7 +165,8 @@ class ScoringService:
             if missing > 0:
                 padded += [padding_request(requests[0], self.tags)] * missing
             batch = coalesce(padded, self.tags)
-            if any(isinstance(v, JaggedIds) and v.values.numel() == 0 for v in batch.values()):
+            padding_ids = any(isinstance(v, JaggedIds) and v.values.numel() == 0 for v in batch.values())
+            if padding_ids:
                 # A graph captured by torch.export asserts that a jagged input holds some id.
                 padded.append(padding_request(requests[0], self.tags, with_ids=True))
                 batch = coalesce(padded, self.tags)
@@ -178,7 +174,8 @@ class ScoringService:
             threads = self.threads_for(sum(r.num_items for r in padded))
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
-        with watch("forward"), torch.inference_mode():
+        uncounted = self.unseen_ids.uncounted() if padding_ids and self.unseen_ids else contextlib.nullcontext()
+        with watch("forward"), torch.inference_mode(), uncounted:  # the padding's id is not the client's
             output = self.model(batch).cpu()
         # scores: logits [N]; an embedding shard: each item's pooled embeddings as one row [N, W]
         output = output.reshape(-1) if self._scores else output.flatten(1)

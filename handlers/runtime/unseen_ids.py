@@ -2,15 +2,15 @@
 ``HandlerRawIds{Table}``, every id of the table looked up).
 
 A raw-id table (``Feature.raw_id_table``) gives each raw id that owns a slot its row; any other id
-looks up the table's default row (its last). The counter reads which ids own slots from the loaded
-model's own slot maps (``raw_id_remaps.<table>.sorted_ids``: an eager model's buffers, a graph's
-constants, a split model's lookups), so it costs no copy, and counts a forward's unseen ids with
-one binary search per raw-id feature, as the model's remap does.
+looks up the table's default row (its last). The model's own remap counts both as it maps the ids,
+inside the graph (``raw_id_remaps.<table>.unseen`` and ``.lookups``: an eager model's buffers, a
+graph's constants, a split model's lookups'); the counter reads them after each batch, one
+stack of scalars, and answers what they grew by.
 """
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import re
 from typing import Iterator
 
@@ -18,52 +18,51 @@ import torch
 from torch import nn
 
 from handlers.runtime.artifacts import CompiledPackage, Runner
-from handlers.runtime.inputs import SLOT_MAPS, InputSchema, JaggedIds, RequestInputs
+from handlers.runtime.inputs import SLOT_MAPS, InputSchema
 
-_SLOT_MAP = re.compile(rf"(?:^|\.){SLOT_MAPS}\.(?P<table>[^.]+)\.sorted_ids$")
+_COUNTER = re.compile(rf"(?:^|\.){SLOT_MAPS}\.(?P<table>[^.]+)\.(?P<counter>unseen|lookups)$")
 
 
 class UnseenIdCounter:
-    def __init__(self, schema: InputSchema, sorted_ids: dict[str, torch.Tensor]) -> None:
-        """``sorted_ids``: per raw-id table, the raw ids that own its slots, sorted (free slots
-        last, as the int64 maximum)."""
-        self._sorted = sorted_ids
-        self._features: list[tuple[str, str, str]] = []  # (input, feature, table), in order
-        for tag, features in ((schema.jagged, schema.features), (schema.context_jagged, schema.context_sparse)):
-            for feature in features:
-                if tag is not None and feature.raw_id_table is not None:
-                    self._features.append((tag.name, feature.name, feature.raw_id_table))
-        missing = sorted({table for *_, table in self._features} - set(sorted_ids))
-        if missing:
-            raise ValueError(f"raw-id tables {missing}: the loaded model holds no slot map for them")
-        self._keys = {tag.name: tag.keys for tag in schema.tags}
+    def __init__(self, unseen: dict[str, torch.Tensor], lookups: dict[str, torch.Tensor]) -> None:
+        """``unseen`` / ``lookups``: per raw-id table, the model's running counts (0-dim int64);
+        counted from their values now."""
+        self.tables = sorted(unseen)
+        self._counters = [unseen[t] for t in self.tables] + [lookups[t] for t in self.tables]
+        self._last = torch.stack(self._counters).tolist()  # a graph's hold what its capture ran
 
     @classmethod
     def of_runner(cls, schema: InputSchema, runner: Runner) -> "UnseenIdCounter | None":
-        """The counter for a loaded model's raw-id tables (None when it has none)."""
-        if not any(f.raw_id_table for f in schema.features + schema.context_sparse):
+        """The counter of a loaded model's raw-id tables (None when it has none)."""
+        tables = {f.raw_id_table for f in schema.features + schema.context_sparse} - {None}
+        if not tables:
             return None
-        found = {}
+        found: dict[str, dict[str, torch.Tensor]] = {"unseen": {}, "lookups": {}}
         for name, tensor in _named_tensors(runner):
-            match = _SLOT_MAP.search(name)
+            match = _COUNTER.search(name)
             if match:
-                found[match["table"]] = tensor
-        return cls(schema, found)
+                found[match["counter"]][match["table"]] = tensor
+        missing = sorted(tables - set(found["unseen"]) - set(found["lookups"]))
+        if missing or set(found["unseen"]) != set(found["lookups"]):
+            raise ValueError(f"raw-id tables {missing or sorted(tables)}: the loaded model does not count their ids")
+        return cls(found["unseen"], found["lookups"])
 
-    def count(self, inputs: RequestInputs) -> tuple[collections.Counter[str], collections.Counter[str]]:
-        """Per raw-id table, the ids of ``inputs`` that own no slot, and all its ids."""
-        unseen: collections.Counter[str] = collections.Counter()
-        looked_up: collections.Counter[str] = collections.Counter()
-        segments: dict[str, dict[str, torch.Tensor]] = {}
-        for name, feature, table in self._features:
-            if name not in segments:
-                ids: JaggedIds = inputs.tensors[name]  # type: ignore[assignment]
-                segments[name] = dict(zip(self._keys[name], ids.per_feature()))
-            values, owners = segments[name][feature], self._sorted[table]
-            slot = torch.searchsorted(owners[:-1], values)
-            unseen[table] += int((owners[slot] != values).sum())
-            looked_up[table] += values.numel()
-        return unseen, looked_up
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """What the model counts within this block is left out of ``since_last``."""
+        before = torch.stack(self._counters).tolist()
+        yield
+        after = torch.stack(self._counters).tolist()
+        self._last = [last + a - b for last, a, b in zip(self._last, after, before)]
+
+    def since_last(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Per raw-id table, the ids the model found no owner for since the last call, and all
+        the ids it mapped."""
+        now = torch.stack(self._counters).tolist()
+        grown = [a - b for a, b in zip(now, self._last)]
+        self._last = now
+        n = len(self.tables)
+        return dict(zip(self.tables, grown[:n])), dict(zip(self.tables, grown[n:]))
 
 
 def _named_tensors(runner: Runner) -> Iterator[tuple[str, torch.Tensor]]:
@@ -72,7 +71,7 @@ def _named_tensors(runner: Runner) -> Iterator[tuple[str, torch.Tensor]]:
     part = getattr(runner, "sparse", runner)
     run = getattr(part, "run", None)
     if isinstance(run, CompiledPackage):
-        yield from run.original.items()
+        yield from run.active.items()
     module = run if isinstance(run, nn.Module) else getattr(part, "module", None)
     if isinstance(module, nn.Module):
         yield from module.named_buffers()

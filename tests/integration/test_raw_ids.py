@@ -166,6 +166,10 @@ def test_every_artifact_kind_remaps_and_counts_unseen_ids_as_eager(trained, arch
         for got, want in zip(handled.responses, expected):
             assert orjson.loads(got.body)["scores"] == pytest.approx(want, abs=1e-6), kind
         assert (handled.stats.unseen_ids, handled.stats.raw_ids) == (eager.stats.unseen_ids, eager.stats.raw_ids), kind
+        empty = _request(spec, model, 8, items=2)
+        for item in empty["items"]:
+            item["sparse"] = {}  # no id at all: the service pads the forward with one, not counted
+        assert set(service.handle([orjson.dumps(empty)]).stats.raw_ids.values()) == {0}, kind
 
 
 def test_raw_ids_arrive_exactly_and_the_free_slot_marker_is_refused(trained):
