@@ -83,11 +83,11 @@ def build_archive(
         with tempfile.TemporaryDirectory(prefix=f"{name}-archive-") as tmp:
             staging = Path(tmp) / "extra"
             stage_files(staging, spec, factory, weights, carry_code=_runs_modules(artifact, split))
-            slot_owners = weights.slot_owners  # the raw ids the generated validation draws
+            owned_ids = {t: ids for t, (ids, _) in weights.slot_maps.items()}  # what generated validation draws
             del weights  # a file-backed copy exists now; the reference model keeps what it needs
             weights_bytes = (staging / WEIGHTS).stat().st_size
             reference = reference_service(spec, factory, float_model, staging)
-            data = validation_data(spec, reference, validation, seed, slot_owners)
+            data = validation_data(spec, reference, validation, seed, owned_ids)
             if compare_precisions:
                 stages.set_postfix_str("dense precisions")
                 _print(suggestion_lines(compare_dense_precisions(spec, factory.load_weights(staging / WEIGHTS),

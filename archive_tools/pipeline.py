@@ -112,13 +112,13 @@ def reference_service(
 
 def validation_data(
     spec: ModelSpec, reference: ScoringService, path: Path | None, seed: int,
-    slot_owners: Mapping[str, torch.Tensor] | None = None,
+    owned_ids: Mapping[str, torch.Tensor] | None = None,
 ) -> ValidationData:
     """The user's validation file, or requests generated from the spec (raw ids mostly among the
-    ``slot_owners``) and labelled from the reference's own scores."""
+    ``owned_ids``, per table) and labelled from the reference's own scores."""
     if path is not None:
         return read_validation(path, spec)
-    return generated_validation(spec, reference, GENERATED_REQUESTS, GENERATED_ITEMS, seed, slot_owners)
+    return generated_validation(spec, reference, GENERATED_REQUESTS, GENERATED_ITEMS, seed, owned_ids)
 
 
 def verify_staged(

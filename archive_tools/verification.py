@@ -37,14 +37,14 @@ class Bounds:
 
 def generated_validation(
     spec: ModelSpec, reference: ScoringService, num_requests: int, items: int, seed: int,
-    slot_owners: Mapping[str, torch.Tensor] | None = None,
+    owned_ids: Mapping[str, torch.Tensor] | None = None,
 ) -> ValidationData:
-    """Requests from the spec (a raw-id table's ids mostly from its ``slot_owners``), with clicks
+    """Requests from the spec (a raw-id table's ids mostly among ``owned_ids``, per table), with clicks
     drawn from the reference's standardized logits (sigmoid of 2 z-scores). The reference then
     ranks them well (AUC about 0.8) even with untrained weights, whose raw scores all sit near
     0.5; a served model that ranks differently loses AUC and gains NE."""
     requests = [
-        synthetic_request(spec, items, seed=seed + 1000 + k, max_bag=4, slot_owners=slot_owners)
+        synthetic_request(spec, items, seed=seed + 1000 + k, max_bag=4, owned_ids=owned_ids)
         for k in range(num_requests)
     ]
     origins = [f"generated request {k}" for k in range(num_requests)]

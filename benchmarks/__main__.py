@@ -13,6 +13,7 @@ from pathlib import Path
 
 from benchmarks.distributed import DISTRIBUTED_SCENARIOS, run_distributed
 from benchmarks.plan import PLAN_SCENARIOS, run_plan
+from benchmarks.raw_ids import RAW_IDS_SCENARIOS, run_raw_ids
 from benchmarks.freshness import FRESHNESS_SCENARIOS, run_freshness
 from benchmarks.reliability import RELIABILITY_SCENARIOS, run_reliability
 from benchmarks.run import run
@@ -23,7 +24,7 @@ from benchmarks.speed import SPEED_SCENARIOS, run_speed
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
-    parser.add_argument("scenario", choices=sorted({*SCENARIOS, *SPEED_SCENARIOS, *RELIABILITY_SCENARIOS, *FRESHNESS_SCENARIOS, *DISTRIBUTED_SCENARIOS, *SEQUENCE_SCENARIOS, *PLAN_SCENARIOS}))
+    parser.add_argument("scenario", choices=sorted({*SCENARIOS, *SPEED_SCENARIOS, *RELIABILITY_SCENARIOS, *FRESHNESS_SCENARIOS, *DISTRIBUTED_SCENARIOS, *SEQUENCE_SCENARIOS, *PLAN_SCENARIOS, *RAW_IDS_SCENARIOS}))
     parser.add_argument("--out", type=Path, help="output folder")
     parser.add_argument(
         "--trace",
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         run_sequence(args.scenario, out)
     elif args.scenario in PLAN_SCENARIOS:
         run_plan(out, args.data)
+    elif args.scenario in RAW_IDS_SCENARIOS:
+        run_raw_ids(RAW_IDS_SCENARIOS[args.scenario], out)
     elif args.scenario in DISTRIBUTED_SCENARIOS:
         run_distributed(DISTRIBUTED_SCENARIOS[args.scenario], out)
     else:

@@ -119,18 +119,19 @@ class Architecture(abc.ABC):
 
     def synthetic_request(
         self, spec: Any, num_items: int, seed: int, max_bag: int = 3, return_logits: bool = False,
-        slot_owners: Mapping[str, torch.Tensor] | None = None,
+        owned_ids: Mapping[str, torch.Tensor] | None = None,
     ) -> dict:
         """A seeded JSON request of ``num_items`` items: dense rows normal, ids uniform over each
-        table (a raw-id table's: 3 in 4 drawn from its ``slot_owners`` where given, the others
-        anywhere in int64), bags of 0..``max_bag`` ids, weights in [0, 2) on about half the bags
-        of a weighted model, a context row where the model takes one, and per-request sequences
-        of 0..4 x ``max_bag`` ids (within each feature's cap) where it takes them."""
+        table (a raw-id table's: 3 in 4 drawn from its ``owned_ids`` where given, the raw ids that
+        own its slots in any order, the others anywhere in int64), bags of 0..``max_bag`` ids,
+        weights in [0, 2) on about half the bags of a weighted model, a context row where the model
+        takes one, and per-request sequences of 0..4 x ``max_bag`` ids (within each feature's cap)
+        where it takes them."""
         rng = np.random.default_rng(seed)
         schema = self.input_schema(spec)
         owned = {
-            feature: owners[owners != MCH_FREE_SLOT].numpy()
-            for table in spec.tables if (owners := (slot_owners or {}).get(table.name)) is not None
+            feature: ids[ids != MCH_FREE_SLOT].numpy()
+            for table in spec.tables if (ids := (owned_ids or {}).get(table.name)) is not None
             for feature in table.features
         }
         items = []

@@ -113,7 +113,7 @@ class DLRMFactory:
             name: (rows.clone(), None if scale_bias is None else scale_bias.clone())
             for name, (rows, scale_bias) in _table_views(quantized).items()
         }
-        return InferenceWeights(tables, _dense_state(float_model), slot_owners=raw_ids.slot_owners(float_model))
+        return InferenceWeights(tables, _dense_state(float_model), slot_maps=raw_ids.slot_maps(float_model))
 
     def random_weights(self, seed: int) -> InferenceWeights:
         """Seeded random weights created straight in the served layout: no float table ever exists.
@@ -130,8 +130,8 @@ class DLRMFactory:
                 module.embedding_specs, module.split_embedding_weights()
             ):
                 fill_random_table(values, scale_bias, sparse_type, generator)
-        owners = {t.name: raw_ids.random_slot_owners(t.rows, generator) for t in self.spec.tables if t.remap}
-        return InferenceWeights(_table_views(model), self.random_dense(seed), buffers, owners)
+        maps = {t.name: raw_ids.random_slot_map(t.rows, generator) for t in self.spec.tables if t.remap}
+        return InferenceWeights(_table_views(model), self.random_dense(seed), buffers, maps)
 
     def random_dense(self, seed: int) -> dict[str, torch.Tensor]:
         """The dense layers' own init from ``seed``, as float weights; no table is allocated."""
@@ -171,16 +171,16 @@ class DLRMFactory:
             model = self._quant_model(torch.device("cpu"))
             buffers = self._zeroed_buffers(model)
             self._copy_rows(model, weights.tables)
-        save_weights_file(buffers, weights.dense, Path(path), weights.slot_owners)
+        save_weights_file(buffers, weights.dense, Path(path), weights.slot_maps)
 
     def load_weights(self, path: str | Path) -> InferenceWeights:
         """Memory-maps ``weights.pt``: the tables cost page cache, shared by every process that maps
         the file, and no anonymous copy."""
         model = self._quant_model(torch.device("cpu"))
         modules = tbe.tbes(model)
-        buffers, dense, owners = load_weights_file(Path(path), len(modules))
+        buffers, dense, slot_maps = load_weights_file(Path(path), len(modules))
         self._attach_all(model, buffers)
-        return InferenceWeights(_table_views(model), dense, buffers, owners)
+        return InferenceWeights(_table_views(model), dense, buffers, slot_maps)
 
     # -- served model ----------------------------------------------------------------------------
 
@@ -232,7 +232,7 @@ class DLRMFactory:
         """The model with its served tables filled in (zero-copy where possible), dense layers not
         loaded yet."""
         model = self._quant_model(device)
-        raw_ids.load_slot_owners(model, weights.slot_owners)
+        raw_ids.load_slot_maps(model, weights.slot_maps)
         zero_copy = weights.buffers is not None and device.type == "cpu" and not self.spec.is_sharded
         if zero_copy:
             self._attach_all(model, weights.buffers)  # type: ignore[arg-type]

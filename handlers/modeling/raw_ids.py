@@ -2,13 +2,14 @@
 collisions, and the served one that maps raw ids to slots in the graph, exactly as TorchRec's
 eval remap does.
 
-A raw-id table's state, besides its rows, is its slot owners: int64 [rows], the raw id each slot
-(row) belongs to, ``MCH_FREE_SLOT`` where none does. The archive keeps them row-aligned with the
-rows; each served remap sorts them once, at load.
+A raw-id table's state, besides its rows, is which raw id owns each slot (row): its slot owners,
+int64 [rows], ``MCH_FREE_SLOT`` where none does; kept as a slot map (``weights.SlotMap``: the
+owners sorted, and the slot of each), the form the remap searches, which workers map from the
+weights file and use in place.
 
     float:   ManagedBags(tables)                 # KJT of raw ids -> KeyedTensor (trains, remaps)
     served:  RawIdBags(quantized_ebc, tables)    # the same, on the quantized tables
-             served.load_slot_owners({"t_user": owners})
+             served.load_slot_maps({"t_user": slot_map(owners)})
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from handlers.modeling.remap_spec import MchEviction
 from handlers.modeling.spec import TableSpec
 from handlers.modeling.tbe import managed_collision_parts, mch_slot_owners
+from handlers.modeling.weights import SlotMap
 from handlers.runtime.inputs import MCH_FREE_SLOT
 
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor  # isort: skip
@@ -94,15 +96,14 @@ class SlotRemap(nn.Module):
             self.register_buffer(counter, torch.zeros((), dtype=torch.int64), persistent=False)
         self.default_slot = rows - 1
 
-    def load(self, owners: torch.Tensor) -> None:
-        """Takes the slot owners (int64 [rows], row-aligned)."""
-        if owners.shape != self.sorted_ids.shape or owners.dtype != torch.int64:
-            raise ValueError(
-                f"slot owners must be int64 [{self.sorted_ids.shape[0]}], got {owners.dtype} {list(owners.shape)}"
-            )
-        order = torch.argsort(owners, stable=True)
-        self.sorted_ids = owners[order]
-        self.slots = order
+    def load(self, slot_map: SlotMap) -> None:
+        """Serves ``slot_map`` (used in place: a mapped file's pages stay shared)."""
+        for name, tensor in zip(("sorted_ids", "slots"), slot_map):
+            if tensor.shape != self.sorted_ids.shape or tensor.dtype != torch.int64:
+                raise ValueError(
+                    f"a slot map's {name} must be int64 [{self.sorted_ids.shape[0]}], got {tensor.dtype} {list(tensor.shape)}"
+                )
+        self.sorted_ids, self.slots = slot_map
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Raw ids int64 [V] -> slots int64 [V]."""
@@ -116,7 +117,7 @@ class SlotRemap(nn.Module):
 class RawIdBags(nn.Module):
     """The served collection of raw-id tables: each feature's raw ids through its table's
     ``SlotRemap``, then the quantized bags. ``raw_id_remaps`` are filled by
-    ``load_slot_owners``."""
+    ``load_slot_maps``."""
 
     def __init__(self, bags: nn.Module, tables: Sequence[TableSpec]) -> None:
         super().__init__()
@@ -127,12 +128,12 @@ class RawIdBags(nn.Module):
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self.bags.embedding_bag_configs()  # type: ignore[operator]
 
-    def load_slot_owners(self, owners: Mapping[str, torch.Tensor]) -> None:
-        missing = sorted(set(self.raw_id_remaps) - set(owners))
+    def load_slot_maps(self, slot_maps: Mapping[str, SlotMap]) -> None:
+        missing = sorted(set(self.raw_id_remaps) - set(slot_maps))
         if missing:
-            raise ValueError(f"raw-id tables {missing} come without their slot owners")
+            raise ValueError(f"raw-id tables {missing} come without their slot maps")
         for name, remap in self.raw_id_remaps.items():
-            remap.load(owners[name])  # type: ignore[operator]
+            remap.load(slot_maps[name])  # type: ignore[operator]
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         keys = features.keys()
@@ -148,30 +149,35 @@ class RawIdBags(nn.Module):
         return self.bags(remapped)
 
 
-def slot_owners(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every raw-id table's slot owners in a float model (none: ``{}``)."""
+def slot_map(owners: torch.Tensor) -> SlotMap:
+    """Slot owners (int64 [rows], row-aligned) as a slot map."""
+    order = torch.argsort(owners, stable=True)
+    return owners[order], order
+
+
+def slot_maps(model: nn.Module) -> dict[str, SlotMap]:
+    """Every raw-id table's slot map in a float model (none: ``{}``)."""
     return {
-        name: owners
+        name: slot_map(owners)
         for module in model.modules() if isinstance(module, ManagedBags)
         for name, owners in module.slot_owners().items()
     }
 
 
-def load_slot_owners(model: nn.Module, owners: Mapping[str, torch.Tensor]) -> None:
-    """Fills every ``RawIdBags`` of a served model with its tables' slot owners."""
+def load_slot_maps(model: nn.Module, maps: Mapping[str, SlotMap]) -> None:
+    """Fills every ``RawIdBags`` of a served model with its tables' slot maps."""
     for module in model.modules():
         if isinstance(module, RawIdBags):
-            module.load_slot_owners(owners)
+            module.load_slot_maps(maps)
 
 
-def random_slot_owners(rows: int, generator: torch.Generator) -> torch.Tensor:
-    """Distinct random raw ids over the whole int64 range for all slots but the last (left free,
-    as training leaves it until the table is full): for models built without a checkpoint."""
-    owners = torch.full((rows,), MCH_FREE_SLOT, dtype=torch.int64)
+def random_slot_map(rows: int, generator: torch.Generator) -> SlotMap:
+    """Distinct random raw ids over the whole int64 range owning all slots but the last (left
+    free, as training leaves it until the table is full), slot k to the k-th smallest: for models
+    built without a checkpoint."""
     drawn = torch.randint(-(2**63), MCH_FREE_SLOT, (rows - 1,), generator=generator, dtype=torch.int64)
     # a repeat among 2^64 values is rare; each one found is drawn again
     while len(unique := torch.unique(drawn)) < len(drawn):
         extra = torch.randint(-(2**63), MCH_FREE_SLOT, (len(drawn) - len(unique),), generator=generator)
         drawn = torch.cat([unique, extra])
-    owners[: rows - 1] = drawn
-    return owners
+    return torch.cat([unique, torch.tensor([MCH_FREE_SLOT])]), torch.arange(rows, dtype=torch.int64)

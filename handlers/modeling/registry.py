@@ -157,9 +157,9 @@ def input_schema(spec: ModelSpec) -> InputSchema:
 
 def synthetic_request(
     spec: ModelSpec, num_items: int, seed: int, max_bag: int = 3, return_logits: bool = False,
-    slot_owners: Mapping[str, torch.Tensor] | None = None,
+    owned_ids: Mapping[str, torch.Tensor] | None = None,
 ) -> dict:
-    return architecture_of(spec).synthetic_request(spec, num_items, seed, max_bag, return_logits, slot_owners)
+    return architecture_of(spec).synthetic_request(spec, num_items, seed, max_bag, return_logits, owned_ids)
 
 
 def spec_json_schema() -> dict[str, Any]:

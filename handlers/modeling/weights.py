@@ -2,9 +2,10 @@
 and ``weights.pt``, the file that holds them.
 
 ``weights.pt`` is ``{"tbe.0": uint8 [host size], ..., "dense.<param>": tensor, ...,
-"slot_owners.<table>": int64 [rows]}``: one flat buffer per table-batched module, exactly as FBGEMM
-lays it out in memory, so a worker memory-maps the file and runs its tables in place (page cache
-shared by every worker, no anonymous copy); and each raw-id table's slot owners, row-aligned.
+"slot_maps.<table>.sorted_ids" / ".slots": int64 [rows]}``: one flat buffer per table-batched
+module, exactly as FBGEMM lays it out in memory, so a worker memory-maps the file and runs its
+tables in place (page cache shared by every worker, no anonymous copy); and each raw-id table's
+slot map, which workers map and use in place too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from handlers.modeling.errors import CheckpointError
 from fbgemm_gpu.split_embedding_configs import SparseType  # isort: skip
 
 TableRows = tuple[torch.Tensor, "torch.Tensor | None"]
+# A raw-id table's slot map: the raw ids that own its slots, sorted (int64 [rows]; free slots last,
+# as int64 max), and the slot each owns (int64 [rows]). Slot s's owner: ids[slots == s].
+SlotMap = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -30,38 +34,38 @@ class InferenceWeights:
     ``dense``: the float parameters of everything but the tables.
     ``buffers``: when the tables are views into FBGEMM's flat weight buffers (one per TBE, as saved
     in ``weights.pt``), those buffers; an unsharded CPU model then runs on them without a copy.
-    ``slot_owners[name]``: a raw-id table's raw id per row, int64 [rows] (``handlers.modeling.raw_ids``).
+    ``slot_maps[name]``: a raw-id table's slot map (``handlers.modeling.raw_ids``).
     """
 
     tables: dict[str, TableRows]
     dense: dict[str, torch.Tensor]
     buffers: list[torch.Tensor] | None = None
-    slot_owners: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-
-
-_SECTIONS = ("dense.", "slot_owners.")
+    slot_maps: dict[str, SlotMap] = dataclasses.field(default_factory=dict)
 
 
 def save_weights_file(
-    buffers: list[torch.Tensor], dense: dict[str, torch.Tensor], path: Path, slot_owners: dict[str, torch.Tensor]
+    buffers: list[torch.Tensor], dense: dict[str, torch.Tensor], path: Path, slot_maps: dict[str, SlotMap]
 ) -> None:
     flat = {f"tbe.{i}": b for i, b in enumerate(buffers)}
-    for section, tensors in zip(_SECTIONS, (dense, slot_owners)):
-        flat.update({f"{section}{k}": v for k, v in tensors.items()})
+    flat.update({f"dense.{k}": v for k, v in dense.items()})
+    for table, (ids, slots) in slot_maps.items():
+        flat.update({f"slot_maps.{table}.sorted_ids": ids, f"slot_maps.{table}.slots": slots})
     torch.save(flat, path)
 
 
 def load_weights_file(
     path: Path, num_buffers: int
-) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Memory-maps ``weights.pt``: (the TBE buffers, the dense state, the slot owners)."""
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, SlotMap]]:
+    """Memory-maps ``weights.pt``: (the TBE buffers, the dense state, the slot maps)."""
     flat = torch.load(path, mmap=True, weights_only=True)
     buffers = [flat.get(f"tbe.{i}") for i in range(num_buffers)]
     if any(b is None for b in buffers) or f"tbe.{num_buffers}" in flat:
         stored = sorted(k for k in flat if k.startswith("tbe."))
         raise CheckpointError(f"{path}: holds {stored}, the spec needs {num_buffers} TBE buffers")
-    dense, owners = ({k[len(s) :]: v for k, v in flat.items() if k.startswith(s)} for s in _SECTIONS)
-    return buffers, dense, owners  # type: ignore[return-value]
+    dense = {k[len("dense.") :]: v for k, v in flat.items() if k.startswith("dense.")}
+    tables = {k[len("slot_maps.") :].rpartition(".")[0] for k in flat if k.startswith("slot_maps.")}
+    slot_maps = {t: (flat[f"slot_maps.{t}.sorted_ids"], flat[f"slot_maps.{t}.slots"]) for t in tables}
+    return buffers, dense, slot_maps  # type: ignore[return-value]
 
 
 def fill_random_table(

@@ -112,7 +112,7 @@ def _owned(model) -> dict[str, torch.Tensor]:
 
 def _request(spec: ModelSpec, model, seed: int, items: int = 12) -> dict:
     """Items whose bags mix ids the model owns slots for, unseen ids, and ``EXTREMES``."""
-    request = items_request(spec, items, seed=seed, max_bag=4, slot_owners=_owners(model))
+    request = items_request(spec, items, seed=seed, max_bag=4, owned_ids=_owners(model))
     request["items"][0]["sparse"]["user_id"] = EXTREMES
     return request
 
@@ -240,7 +240,7 @@ def test_generated_requests_draw_owned_ids_mostly_and_unseen_ones_across_int64(t
     """What the build verifies on when no validation file is given."""
     spec, _, model, _ = trained
     owned = _owned(model)["t_user"].numpy()
-    requests = [items_request(spec, 8, seed=s, slot_owners=_owners(model)) for s in range(20)]
+    requests = [items_request(spec, 8, seed=s, owned_ids=_owners(model)) for s in range(20)]
     ids = np.array([i for r in requests for item in r["items"] for i in item["sparse"]["user_id"]])
     seen = np.isin(ids, owned)
     assert 0.6 < seen.mean() < 0.9, seen.mean()
