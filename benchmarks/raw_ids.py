@@ -64,14 +64,14 @@ NOT_MEASURED = {
 class RawIdsScenario:
     name: str
     spec: Path
-    seconds: float  # each c=1 point
+    seconds: float  # each c=1 point, after as long again of warm-up (a registration maps its tables anew)
     rounds: int  # row-id and raw-id points, in turn
     counted_requests: int  # sent once each, for the unseen counts
     unseen_share: float = 0.05  # of the raw traffic's ids, replaced by ids no table has seen
 
 
 RAW_IDS_SCENARIOS = {
-    "raw_ids": RawIdsScenario("raw_ids", MODELS / "criteo_1tb.yaml", seconds=10.0, rounds=3, counted_requests=2000),
+    "raw_ids": RawIdsScenario("raw_ids", MODELS / "criteo_1tb.yaml", seconds=8.0, rounds=5, counted_requests=2000),
     "raw_ids-smoke": RawIdsScenario("raw_ids-smoke", MODELS / "tiny.yaml", seconds=1.0, rounds=1, counted_requests=50),
 }
 
@@ -214,7 +214,7 @@ def _served(store: Path, row_model: str, raw_model: str, rows: Traffic, raw: Tra
             for model, traffic in ((row_model, rows), (raw_model, raw)):
                 server.register(model, batch_size=1, initial_workers=1).raise_for_status()
                 url = f"{server.inference_url}/predictions/{model}"
-                run_wrk(url, auth, traffic, 1, 2.0)  # warm-up
+                run_wrk(url, auth, traffic, 1, scenario.seconds)  # warm-up: the tables' pages mapped in
                 result = run_wrk(url, auth, traffic, 1, scenario.seconds)
                 p50s[model].append(result.latency_ms["p50"])
                 clients[f"{model}_c1_round{round_}"] = result.client_summary()

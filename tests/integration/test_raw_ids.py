@@ -17,10 +17,12 @@ from archive_tools.build import build_archive
 from archive_tools.delta import DeltaSource, make_delta
 from archive_tools.local_server import LocalTorchServe
 from archive_tools.model_config import ServingConfig
+from benchmarks.raw_ids import raw_traffic, slot_maps
+from benchmarks.traffic import TrafficModel
 from handlers.modeling import tbe
 from handlers.modeling.errors import SpecError
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.raw_ids import RawIdBags
+from handlers.modeling.raw_ids import RawIdBags, SlotRemap
 from handlers.modeling.registry import input_schema
 from handlers.modeling.spec import ModelSpec
 from handlers.runtime.artifacts import Artifact
@@ -264,3 +266,29 @@ def test_binary_int64_tensors_carry_raw_ids_exactly(trained):
     with pytest.raises(Rejected) as refused:
         decoder.decode(body([*EXTREMES[:-1], MCH_FREE_SLOT]))
     assert "reserved" in refused.value.error.message and "user_id" in refused.value.error.field
+
+
+def test_the_benchmarks_raw_traffic_looks_up_the_rows_of_its_row_traffic(trained, archives):
+    """benchmarks.raw_ids: its raw requests (row ids replaced by the raw ids that own those rows
+    in a compiled archive's slot maps) look up the same rows, but for the ids it counts unseen,
+    which look up each table's default row."""
+    spec, _, _, _ = trained
+    maps = slot_maps(archives["aoti"])
+    assert set(maps) == set(ROWS)
+    rows = TrafficModel(items_per_request=3).generate(spec, 40, seed=4)
+    raw, unseen = raw_traffic(rows, spec, maps, unseen_share=0.2, seed=5)
+    table_of = {f: t.name for t in spec.tables for f in t.features}
+    found_unseen = 0
+    for row_body, raw_body in zip(rows.bodies, raw.bodies):
+        for row_item, raw_item in zip(orjson.loads(row_body)["items"], orjson.loads(raw_body)["items"]):
+            for feature, ids in raw_item["sparse"].items():
+                table = table_of[feature]
+                remap = SlotRemap(ROWS[table])
+                remap.load(maps[table])
+                ids = torch.tensor(ids, dtype=torch.int64)
+                owned = torch.isin(ids, maps[table][0][maps[table][0] != MCH_FREE_SLOT])
+                slots = remap(ids)
+                assert torch.equal(slots[owned], torch.tensor(row_item["sparse"][feature])[owned])
+                assert (slots[~owned] == ROWS[table] - 1).all()
+                found_unseen += int((~owned).sum())
+    assert sum(unseen) == found_unseen > 0
