@@ -25,6 +25,7 @@ from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.raw_ids import RawIdBags, SlotRemap
 from handlers.modeling.registry import input_schema
 from handlers.modeling.spec import ModelSpec
+from handlers.runtime.archive import Archive
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.errors import BadRequest, InputError
 from handlers.runtime.inputs import MCH_FREE_SLOT
@@ -273,7 +274,8 @@ def test_the_benchmarks_raw_traffic_looks_up_the_rows_of_its_row_traffic(trained
     in a compiled archive's slot maps) look up the same rows, but for the ids it counts unseen,
     which look up each table's default row."""
     spec, _, _, _ = trained
-    maps = slot_maps(archives["aoti"])
+    with Archive.open(archives["aoti"]) as archive:
+        maps = {t: (ids.clone(), slots.clone()) for t, (ids, slots) in slot_maps(archive.unpacked()).items()}
     assert set(maps) == set(ROWS)
     rows = TrafficModel(items_per_request=3).generate(spec, 40, seed=4)
     raw, unseen = raw_traffic(rows, spec, maps, unseen_share=0.2, seed=5)
