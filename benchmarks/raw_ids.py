@@ -20,7 +20,7 @@ replaced by the raw id that owns it, so both models look up exactly the same row
   (``HandlerUnseenIds``, all tables) over requests sent once each, against those put in them;
 * ``extra_bytes_per_row``: what the raw-id archive's weights hold per slot besides the rows (its
   slot maps' bytes over the slots); ``extra_file_bytes``, ``extra_package_bytes``: its weights file
-  and its compiled package (code) over the row-id archive's, in bytes;
+  and its compiled package (code, compiled archives only) over the row-id archive's, in bytes;
 * ``remap_us_per_4k_ids_zch``, ``mch_swap_s``, ``torn_pairs``: not measured (``not_measured``
   says why): zero-collision hashing and slot deltas are not served yet.
 
@@ -50,7 +50,7 @@ from benchmarks.wrk import run_wrk
 from handlers.modeling.raw_ids import SlotRemap
 from handlers.modeling.registry import load_spec
 from handlers.modeling.spec import ModelSpec
-from handlers.runtime.archive_files import aoti_weights_file
+from handlers.runtime.archive_files import WEIGHTS, aoti_weights_file
 from handlers.runtime.inputs import MCH_FREE_SLOT, SLOT_MAPS
 
 NOT_MEASURED = {
@@ -68,11 +68,14 @@ class RawIdsScenario:
     rounds: int  # row-id and raw-id points, in turn
     counted_requests: int  # sent once each, for the unseen counts
     unseen_share: float = 0.05  # of the raw traffic's ids, replaced by ids no table has seen
+    artifact: str = "aoti"  # what both archives serve (the smoke: eager, seconds to build)
 
 
 RAW_IDS_SCENARIOS = {
     "raw_ids": RawIdsScenario("raw_ids", MODELS / "criteo_1tb.yaml", seconds=8.0, rounds=5, counted_requests=2000),
-    "raw_ids-smoke": RawIdsScenario("raw_ids-smoke", MODELS / "tiny.yaml", seconds=1.0, rounds=1, counted_requests=50),
+    "raw_ids-smoke": RawIdsScenario(
+        "raw_ids-smoke", MODELS / "tiny.yaml", seconds=1.0, rounds=1, counted_requests=50, artifact="eager"
+    ),
 }
 
 
@@ -86,9 +89,11 @@ def run_raw_ids(scenario: RawIdsScenario, out_dir: Path) -> dict:
     progress = tqdm(total=4, desc=scenario.name, unit="step")
     for name, path in ((spec.name, scenario.spec), (raw_spec.name, out_dir / f"{raw_spec.name}.yaml")):
         progress.set_postfix_str(f"build {name}")
-        build(path, store, "--init", "quantized", "--seed", "0", "--artifact", "aoti", "--archive-format", "no-archive")
+        build(path, store, "--init", "quantized", "--seed", "0", "--artifact", scenario.artifact,
+              "--archive-format", "no-archive")
         progress.update()
     maps = slot_maps(store / raw_spec.name)
+    weights_file = {name: _weights_file(store / name) for name in (spec.name, raw_spec.name)}
     rows = TrafficModel(items_per_request=1).generate(spec, 512, seed=1)
     raw, unseen_true = raw_traffic(rows, raw_spec, maps, scenario.unseen_share, seed=2)
     progress.set_postfix_str("remap in process")
@@ -102,10 +107,10 @@ def run_raw_ids(scenario: RawIdsScenario, out_dir: Path) -> dict:
     figures["unseen_true"] = sum(unseen_true[: scenario.counted_requests])
     slots = sum(t.rows for t in spec.tables)
     figures["extra_bytes_per_row"] = sum(ids.nbytes + owner.nbytes for ids, owner in maps.values()) / slots
-    weights = [aoti_weights_file(store / name / "model_aoti.pt2").stat().st_size for name in (raw_spec.name, spec.name)]
-    figures["extra_file_bytes"] = weights[0] - weights[1]
-    packages = [(store / name / "model_aoti.pt2").stat().st_size for name in (raw_spec.name, spec.name)]
-    figures["extra_package_bytes"] = packages[0] - packages[1]
+    figures["extra_file_bytes"] = weights_file[raw_spec.name].stat().st_size - weights_file[spec.name].stat().st_size
+    if scenario.artifact == "aoti":
+        packages = [(store / name / "model_aoti.pt2").stat().st_size for name in (raw_spec.name, spec.name)]
+        figures["extra_package_bytes"] = packages[0] - packages[1]
     figures["counted_requests"] = len(counted)
     figures["not_measured"] = NOT_MEASURED
     progress.update()
@@ -124,15 +129,20 @@ def raw_ids_spec(spec: ModelSpec) -> ModelSpec:
 
 
 def slot_maps(archive: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Each raw-id table's slot map (sorted owners, their slots) from a compiled archive's
-    weights file, memory-mapped."""
-    constants = torch.load(aoti_weights_file(archive / "model_aoti.pt2"), mmap=True, weights_only=True)
+    """Each raw-id table's slot map (sorted owners, their slots) from an archive folder's weights
+    file (a compiled package's constants, or an eager archive's ``weights.pt``), memory-mapped."""
+    tensors = torch.load(_weights_file(archive), mmap=True, weights_only=True)
     maps = {}
-    for name, tensor in constants.items():
+    for name, tensor in tensors.items():
         prefix, _, field = name.rpartition(".")
-        if f"{SLOT_MAPS}." in name and field == "sorted_ids":
-            maps[prefix.rpartition(".")[2]] = (tensor, constants[f"{prefix}.slots"])
+        if (f"{SLOT_MAPS}." in name or name.startswith("slot_maps.")) and field == "sorted_ids":
+            maps[prefix.rpartition(".")[2]] = (tensor, tensors[f"{prefix}.slots"])
     return maps
+
+
+def _weights_file(archive: Path) -> Path:
+    package = archive / "model_aoti.pt2"
+    return aoti_weights_file(package) if package.exists() else archive / WEIGHTS
 
 
 def raw_traffic(
