@@ -36,6 +36,7 @@ from handlers.runtime.wire.v2_tensors import encode_request
 from tests.helpers import QUANTIZATION_TOLERANCE, archive_service, float_scores, items_request
 
 from torchrec import KeyedJaggedTensor  # isort: skip
+from torchrec.modules.mc_adapter import McEmbeddingBagCollectionAdapter  # isort: skip
 from torchrec.sparse.jagged_tensor import JaggedTensor  # isort: skip
 
 pytestmark = pytest.mark.integration
@@ -294,3 +295,19 @@ def test_the_benchmarks_raw_traffic_looks_up_the_rows_of_its_row_traffic(trained
                 assert (slots[~owned] == ROWS[table] - 1).all()
                 found_unseen += int((~owned).sum())
     assert sum(unseen) == found_unseen > 0
+
+
+def test_a_model_trained_with_torchrecs_adapter_has_the_state_names_the_float_model_loads(tiny_spec):
+    """TorchRec's McEmbeddingBagCollectionAdapter (sort ZCH: MCH with DistanceLFU) keeps its state
+    under the names, shapes and dtypes ManagedBags does, so its checkpoints load strictly."""
+    spec = tiny_spec.replace(tables=[
+        {**t.model_dump(mode="json"), "ids": "raw", "remap": {"kind": "mch", "eviction": "distance_lfu"}}
+        for t in tiny_spec.tables
+    ])
+    ours = DLRMFactory(spec).float_model(seed=0).sparse_arch.embedding_bag_collection
+    adapter = McEmbeddingBagCollectionAdapter(
+        tables=ours.embedding_bag_configs(), input_hash_size=2**62, device=torch.device("cpu"), world_size=1,
+        zch_method="sort_zch",
+    )
+    theirs = adapter.state_dict()  # its tables on meta (the adapter's own choice): names, shapes and dtypes
+    assert {k: (v.shape, v.dtype) for k, v in theirs.items()} == {k: (v.shape, v.dtype) for k, v in ours.state_dict().items()}
