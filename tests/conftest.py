@@ -32,7 +32,7 @@ SLOWEST_FIRST = (
     "tests/bench/test_smoke.py",
     "tests/integration/test_distributed.py",
     "tests/bench/test_freshness.py",
-    "tests/bench/test_raw_ids.py",
+    "tests/bench/test_raw_ids_scenario.py",
 )
 
 
