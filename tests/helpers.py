@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -114,3 +116,14 @@ def archive_service(archive: Path) -> ScoringService:
     """A built archive (``.mar`` or folder) loaded in this process as a worker loads it."""
     _OPEN.append(Archive.open(archive))
     return load_archive(_OPEN[-1])
+
+
+def run_scenario(scenario: str, out: Path, timeout_s: float = 900) -> None:
+    """``python -m benchmarks SCENARIO --out OUT`` from the checkout, as ``make bench`` runs it;
+    fails the test with the end of its stderr if it fails."""
+    repo = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", scenario, "--out", str(out)],
+        cwd=repo, capture_output=True, text=True, timeout=timeout_s,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

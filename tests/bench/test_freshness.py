@@ -2,14 +2,12 @@
 real TorchServe serves, a dense swap, a rollback and a version transition, with no failed request."""
 
 import os
-import subprocess
-import sys
 
 import orjson
 import pytest
 
 from benchmarks.freshness_figures import TARGETS
-from tests.conftest import REPO
+from tests.helpers import run_scenario
 
 pytestmark = pytest.mark.integration
 
@@ -24,11 +22,7 @@ KEYS = {
 
 def test_freshness_smoke_scenario_runs_with_no_failed_request(tmp_path):
     out = tmp_path / "freshness"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "freshness-smoke", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_scenario("freshness-smoke", out, timeout_s=900)
     figures = orjson.loads((out / "freshness.json").read_bytes())
     assert KEYS | {key for key, *_ in TARGETS} <= set(figures)
     # correctness targets hold at any size; the rates and latency ratios are the full scenario's

@@ -1,25 +1,19 @@
 """CI runs the ``raw_ids-smoke`` scenario end to end (tiny model, eager): both archives built,
 served in turn by the real TorchServe, the raw-id model's unseen ids counted against the truth."""
 
-import subprocess
-import sys
 
 import orjson
 import pytest
 
 from benchmarks.raw_ids import NOT_MEASURED
-from tests.conftest import REPO
+from tests.helpers import run_scenario
 
 pytestmark = pytest.mark.integration
 
 
 def test_raw_ids_smoke_scenario_runs_and_counts_unseen_ids_exactly(tmp_path):
     out = tmp_path / "raw_ids"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "raw_ids-smoke", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_scenario("raw_ids-smoke", out, timeout_s=600)
     figures = orjson.loads((out / "raw_ids.json").read_bytes())
     assert figures["unseen_counted"] == figures["unseen_true"] > 0
     assert figures["extra_bytes_per_row"] == 16.0  # sorted owners and their slots, int64 each

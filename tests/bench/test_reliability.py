@@ -1,15 +1,13 @@
 """CI runs the reliability suite's ``reliability-smoke`` scenario end to end (tiny model, seconds
 per phase): every disruption against the real TorchServe with the project's config and plugin."""
 
-import subprocess
-import sys
 
 import orjson
 import pytest
 
 from benchmarks.reliability import RELIABILITY_SCENARIOS
 from benchmarks.reliability_report import TARGETS
-from tests.conftest import REPO
+from tests.helpers import run_scenario
 
 pytestmark = pytest.mark.integration
 
@@ -20,11 +18,7 @@ def test_reliability_smoke_scenario_runs_and_holds_the_hard_targets(tmp_path):
     transition, against a real TorchServe too; a register's effect on p99 is a figure of the full
     scenario)."""
     out = tmp_path / "reliability"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "reliability-smoke", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_scenario("reliability-smoke", out, timeout_s=900)
     figures = orjson.loads((out / "reliability.json").read_bytes())
     skipped = {"hung_worker_detect_s", "scale_down_lost_requests", "overload_2x_reject_p99_ms",
                "overload_2x_accepted_p99_ms", "token_expiry_client_errors", "register_during_load_inference_p99_ms",

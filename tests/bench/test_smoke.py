@@ -1,24 +1,18 @@
 """CI runs the benchmark's ``smoke`` scenario end to end: build, real TorchServe, closed and open
 loop, handler counters, in-process ceiling, JSON, plots and summary."""
 
-import subprocess
-import sys
 
 import orjson
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import run_scenario
 
 pytestmark = pytest.mark.integration
 
 
 def test_smoke_scenario_runs_and_reports(tmp_path):
     out = tmp_path / "smoke"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "smoke", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_scenario("smoke", out, timeout_s=600)
     results = orjson.loads((out / "results.json").read_bytes())
     assert {c["batch_size"] for c in results["configs"]} == {1, 8}
     for config in results["configs"]:

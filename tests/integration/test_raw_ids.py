@@ -17,6 +17,8 @@ from archive_tools.build import build_archive
 from archive_tools.delta import DeltaSource, make_delta
 from archive_tools.local_server import LocalTorchServe
 from archive_tools.model_config import ServingConfig
+from archive_tools.planning import plan_tables
+from archive_tools.planning.search import Budget
 from benchmarks.raw_ids import raw_traffic, slot_maps
 from benchmarks.traffic import TrafficModel
 from handlers.modeling import tbe
@@ -231,13 +233,23 @@ def _published(text: str, model: str) -> dict[tuple[str, str], float]:
     }
 
 
-def test_a_collection_mixing_raw_and_index_tables_and_row_deltas_are_refused(trained, tiny_spec, archives):
-    spec, _, _, checkpoint = trained
+def test_what_raw_id_tables_do_not_do_yet_is_refused_naming_why(trained, tiny_spec, archives, tmp_path):
+    """A collection mixing raw and index tables, row deltas of a raw-id archive, planning a raw-id
+    spec; and a slot map of the wrong size, or none, for a served table."""
+    spec, spec_path, model, checkpoint = trained
     mixed = spec.replace(tables=[spec.tables[0], *tiny_spec.tables[1:]])
     with pytest.raises(SpecError, match=r"\['t_user'\] \(ids raw\) and .* \(ids index\)"):
         DLRMFactory(mixed).float_model(seed=0)
     with pytest.raises(InputError, match="take raw ids: deltas"):
         make_delta(archives["eager"], DeltaSource(checkpoint=checkpoint), Path("unused.delta"), sequence=1)
+    with pytest.raises(SpecError, match=r"take raw ids \(ids: raw\): the planner"):
+        plan_tables(spec_path, tmp_path / "unread.jsonl", Budget(0.001, 0.002), tmp_path / "plan")
+    served = DLRMFactory(spec).inference_model(DLRMFactory(spec).quantize(model)).sparse_arch.embedding_bag_collection
+    ids, slots = _owners(model)["t_hour"].sort()
+    with pytest.raises(ValueError, match=r"a slot map's sorted_ids must be int64 \[6\], got torch.int64 \[5\]"):
+        served.raw_id_remaps["t_hour"].load((ids[:5], slots[:5]))
+    with pytest.raises(ValueError, match=r"raw-id tables \['t_item', 't_user'\] come without their slot maps"):
+        served.load_slot_maps({"t_hour": (ids, slots), "t_category": (ids, slots)})
 
 
 def test_generated_requests_draw_owned_ids_mostly_and_unseen_ones_across_int64(trained):
