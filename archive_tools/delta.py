@@ -11,6 +11,9 @@ From a checkpoint, every row is quantized in chunks and compared with the archiv
 rows whose served bytes differ go into the delta, and no table is held twice in memory. Row-wise
 quantization (an fp16 scale and bias per row) makes a row's bytes depend on that row alone, so a
 changed row is byte-identical to what a full build from the checkpoint holds (``verify_delta``).
+A raw-id table's records are the slots whose owner or row changed (evictions, insertions, trained
+rows), each with its new owner: the checkpoint's managed-collision state against the archive's
+slot map.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from archive_tools.export import package_constant
-from handlers.modeling import pruning
+from handlers.modeling import pruning, raw_ids
 from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.embedding_modules import table_weights
 from handlers.modeling.factory import DLRMFactory
@@ -41,6 +44,7 @@ from handlers.runtime.errors import InputError
 from handlers.runtime.freshness.delta_file import DeltaWriter, dense_shapes, read_delta
 from handlers.runtime.freshness.dense import is_table_constant
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout, table_buffers
+from handlers.runtime.slot_maps import SlotMap, owners_of, slot_maps_in
 
 CHUNK_ROWS = 1 << 18
 
@@ -96,9 +100,9 @@ def make_delta(archive: Path, source: DeltaSource, out: Path, sequence: int, nam
                 changes = _from_checkpoint(base, source.checkpoint)
             else:
                 changes = _from_rows(base, source.rows) if source.rows else iter(())
-            for table, ids, data in changes:
+            for table, ids, data, owners in changes:
                 if len(ids):
-                    writer.add(table, ids, data)
+                    writer.add(table, ids, data, owners)
                     rows[table.name] = rows.get(table.name, 0) + len(ids)
             if dense:
                 writer.add_dense(dense)
@@ -138,9 +142,9 @@ def served_dense(base: _Base, checkpoint: dict[str, torch.Tensor]) -> dict[str, 
 
 
 def verify_delta(archive: Path, delta_path: Path, checkpoint: Path) -> list[str]:
-    """The archive's rows with the delta applied, against the rows of a fresh build from
-    ``checkpoint`` (TorchRec's whole-table quantization, as ``build`` runs it): the tables whose
-    bytes differ (empty: byte-identical)."""
+    """The archive's rows (and slot owners) with the delta applied, against those of a fresh
+    build from ``checkpoint`` (TorchRec's whole-table quantization, as ``build`` runs it): the
+    tables whose bytes or owners differ (empty: identical)."""
     with _base(archive) as base, tempfile.TemporaryDirectory(prefix="delta-verify-") as tmp:
         delta = read_delta(delta_path, base.layout)
         factory = DLRMFactory(base.spec)
@@ -148,28 +152,34 @@ def verify_delta(archive: Path, delta_path: Path, checkpoint: Path) -> list[str]
         factory.load_checkpoint(model, read_checkpoint(checkpoint))
         fresh_file = Path(tmp) / WEIGHTS
         factory.save_weights(factory.quantize(model), fresh_file)
-        fresh = table_buffers(torch.load(fresh_file, mmap=True, weights_only=True))
+        fresh_weights = torch.load(fresh_file, mmap=True, weights_only=True)
+        fresh, fresh_maps = table_buffers(fresh_weights), slot_maps_in(fresh_weights)
         differing = []
         for table in base.layout.tables:
             current = table_rows(base.buffers[table.buffer], table).copy()
+            owners = owners_of(base.slot_maps[table.name]).numpy().copy() if table.raw_ids else None
             section = next((s for s in delta.header.tables if s.name == table.name), None)
             if section is not None:
                 records = delta.records(section)
                 current[records["id"]] = records["row"]
-            if not np.array_equal(current, table_rows(fresh[table.buffer], table)):
+                if owners is not None:
+                    owners[records["id"]] = records["owner"]
+            same_owners = owners is None or np.array_equal(owners, owners_of(fresh_maps[table.name]).numpy())
+            if not (same_owners and np.array_equal(current, table_rows(fresh[table.buffer], table))):
                 differing.append(table.name)
         return differing
 
 
 @dataclasses.dataclass
 class _Base:
-    """What a delta is made against: the archive, its spec, its table layout and its table
-    buffers (mapped from the file that holds them)."""
+    """What a delta is made against: the archive, its spec, its table layout, its table
+    buffers and its raw-id tables' slot maps (mapped from the file that holds them)."""
 
     archive: Archive
     spec: ModelSpec
     layout: TablesLayout
     buffers: list[torch.Tensor]
+    slot_maps: dict[str, SlotMap]
 
 
 @contextlib.contextmanager
@@ -179,23 +189,25 @@ def _base(path: Path) -> Iterator[_Base]:
         if layout is None:
             why = tables_file_name(archive.options)[1] or f"no {TABLES}; rebuild it with this version"
             raise InputError(f"{path}: cannot take deltas: {why}")
-        spec = archive_spec(archive)
-        if spec.raw_id_tables:
-            raise InputError(
-                f"{path}: tables {list(spec.raw_id_tables)} take raw ids: deltas that also move slots "
-                "between raw ids are not made yet; build a new archive from the later checkpoint"
-            )
-        buffers = table_buffers(torch.load(archive.tables_file(), mmap=True, weights_only=True), layout.buffer_constants)
-        yield _Base(archive, spec, layout, buffers)
+        weights = torch.load(archive.tables_file(), mmap=True, weights_only=True)
+        buffers = table_buffers(weights, layout.buffer_constants)
+        yield _Base(archive, archive_spec(archive), layout, buffers, slot_maps_in(weights))
 
 
-def _from_checkpoint(base: _Base, checkpoint: Path) -> Iterator[tuple[TableLayout, np.ndarray, np.ndarray]]:
-    """Rows whose served bytes differ between the archive and ``checkpoint``; a pruned table's
-    rows are those of its kept ids (a pruned id's new row is not served, so not sent)."""
+# (table, row ids [n], their served bytes [n, row_bytes], a raw-id table's slot owners [n] or None)
+Changes = Iterator[tuple[TableLayout, np.ndarray, np.ndarray, "np.ndarray | None"]]
+
+
+def _from_checkpoint(base: _Base, checkpoint: Path) -> Changes:
+    """Rows whose served bytes differ between the archive and ``checkpoint``, and a raw-id
+    table's slots whose owner differs; a pruned table's rows are those of its kept ids (a pruned
+    id's new row is not served, so not sent)."""
     factory = DLRMFactory(base.spec)
     model = factory.float_model(seed=0)
     factory.load_checkpoint(model, read_checkpoint(checkpoint))
     weights = table_weights(model)
+    new_owners = {name: owners_of(m).numpy() for name, m in raw_ids.slot_maps(model).items()}
+    old_owners = {name: owners_of(m).numpy() for name, m in base.slot_maps.items()}
     with tqdm(total=sum(t.rows for t in base.layout.tables), desc="delta", unit="row", unit_scale=True) as bar:
         for table in base.layout.tables:
             old = table_rows(base.buffers[table.buffer], table)
@@ -204,8 +216,12 @@ def _from_checkpoint(base: _Base, checkpoint: Path) -> Iterator[tuple[TableLayou
                 end = min(table.rows, start + CHUNK_ROWS)
                 floats = weights[table.name]
                 new = served_rows(floats[start:end] if kept is None else floats[kept[start:end]], table)
-                changed = np.flatnonzero((new != old[start:end]).any(axis=1))
-                yield table, changed + start, new[changed]
+                differ = (new != old[start:end]).any(axis=1)
+                owners = new_owners[table.name][start:end] if table.raw_ids else None
+                if owners is not None:
+                    differ |= owners != old_owners[table.name][start:end]
+                changed = np.flatnonzero(differ)
+                yield table, changed + start, new[changed], None if owners is None else owners[changed]
                 bar.update(end - start)
 
 
@@ -221,7 +237,7 @@ def read_rows_file(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     return given
 
 
-def _from_rows(base: _Base, path: Path) -> Iterator[tuple[TableLayout, np.ndarray, np.ndarray]]:
+def _from_rows(base: _Base, path: Path) -> Changes:
     """The rows file's rows, by id; a pruned table's ids become their rows, and a pruned id is
     refused (it has no row to update)."""
     given = read_rows_file(path)
@@ -231,6 +247,9 @@ def _from_rows(base: _Base, path: Path) -> Iterator[tuple[TableLayout, np.ndarra
         table = base.layout.table(name)
         if table is None:
             raise InputError(f"{path}: no table {name!r} in the model; it has {[t.name for t in base.layout.tables]}")
+        if table.raw_ids:
+            raise InputError(f"{path}: table {name} takes raw ids: its rows move between ids as training assigns "
+                             "slots, so its delta comes from a checkpoint (--checkpoint), slot owners with rows")
         ids, floats = torch.as_tensor(entry["ids"], dtype=torch.int64), torch.as_tensor(entry["rows"])
         if floats.shape != (len(ids), table.dim):
             raise InputError(f"{path}: {name}.rows must be [{len(ids)}, {table.dim}], got {list(floats.shape)}")
@@ -252,4 +271,4 @@ def _from_rows(base: _Base, path: Path) -> Iterator[tuple[TableLayout, np.ndarra
             ids = rows
         for start in range(0, len(ids), CHUNK_ROWS):
             chunk = slice(start, start + CHUNK_ROWS)
-            yield table, ids[chunk].numpy(), served_rows(floats[order[chunk]], table)
+            yield table, ids[chunk].numpy(), served_rows(floats[order[chunk]], table), None

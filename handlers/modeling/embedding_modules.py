@@ -266,6 +266,16 @@ def table_prefixes(model: nn.Module) -> tuple[str, ...]:
     return tuple(f"{path}." for path in [c.path for c in find_collections(model)] + sharded)
 
 
+def without_tables(model: nn.Module) -> tuple[str, ...]:
+    """Replaces the model's embedding collections with empty modules, for reading its dense
+    weights alone (a managed-collision module's load hook would read its tables' state);
+    returns their state-dict prefixes (``table_prefixes``)."""
+    prefixes = table_prefixes(model)
+    for collection in find_collections(model):
+        _replace(model, collection.path, nn.Module())
+    return prefixes
+
+
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
     if not path:
         raise SpecError("architecture: the model is itself an embedding collection; wrap it in a module")

@@ -32,6 +32,7 @@ from handlers.modeling.embedding_modules import (
     quantize_in_place,
     table_prefixes,
     table_weights,
+    without_tables,
 )
 from handlers.modeling.errors import CheckpointError
 from handlers.modeling.registry import architecture_of, check_forward
@@ -91,8 +92,9 @@ class DLRMFactory:
         dense delta is made from): no table is allocated."""
         torch.manual_seed(0)  # the dense layers' init, all overwritten
         model = self._build(torch.device("meta"), torch.device("cpu"))
-        checkpoint.load_checkpoint(model, state_dict, self.spec.checkpoint_mapping, skip=table_prefixes(model))
-        return _dense_state(model)
+        tables = without_tables(model)
+        checkpoint.load_checkpoint(model, state_dict, self.spec.checkpoint_mapping, skip=tables)
+        return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith(tables)}
 
     # -- served weights ------------------------------------------------------------------------
 
@@ -151,6 +153,7 @@ class DLRMFactory:
         writes into), with the fingerprint of its contents."""
         model = self._quant_model(torch.device("cpu"))
         dtypes = {t.name: t.weight_dtype.value for t in self.spec.tables}
+        raw = set(self.spec.raw_id_tables)
         tables = []
         buffers, dense, _ = load_weights_file(Path(weights_file), len(tbe.tbes(model)))
         self._attach_all(model, buffers)
@@ -161,7 +164,7 @@ class DLRMFactory:
                 offset = view.data_ptr() - buffer.data_ptr()  # FBGEMM places the tables itself
                 if view.shape[0] > 1 and view.stride(0) != row_bytes:
                     raise ValueError(f"table {name}: rows {view.stride(0)} bytes apart, expected {row_bytes}")
-                tables.append(TableLayout(name, dtypes[name], dim, rows, row_bytes, index, offset))
+                tables.append(TableLayout(name, dtypes[name], dim, rows, row_bytes, index, offset, name in raw))
         return TablesLayout(fingerprint(buffers, dense), tuple(tables), self.spec.is_sharded)
 
     def save_weights(self, weights: InferenceWeights, path: str | Path) -> None:

@@ -3,7 +3,7 @@ collisions, and the served one that maps raw ids to slots in the graph, exactly 
 eval remap does.
 
 A raw-id table's state, besides its rows, is which raw id owns each slot (row): its slot owners,
-int64 [rows], ``MCH_FREE_SLOT`` where none does; kept as a slot map (``weights.SlotMap``: the
+int64 [rows], ``MCH_FREE_SLOT`` where none does; kept as a slot map (``handlers.runtime.slot_maps``: the
 owners sorted, and the slot of each), the form the remap searches, which workers map from the
 weights file and use in place.
 
@@ -22,8 +22,8 @@ from torch import nn
 from handlers.modeling.remap_spec import MchEviction
 from handlers.modeling.spec import TableSpec
 from handlers.modeling.tbe import managed_collision_parts, mch_slot_owners
-from handlers.modeling.weights import SlotMap
 from handlers.runtime.inputs import MCH_FREE_SLOT
+from handlers.runtime.slot_maps import SlotMap, slot_map
 
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor  # isort: skip
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection  # isort: skip
@@ -147,12 +147,6 @@ class RawIdBags(nn.Module):
             stride=features.stride(),
         )
         return self.bags(remapped)
-
-
-def slot_map(owners: torch.Tensor) -> SlotMap:
-    """Slot owners (int64 [rows], row-aligned) as a slot map."""
-    order = torch.argsort(owners, stable=True)
-    return owners[order], order
 
 
 def slot_maps(model: nn.Module) -> dict[str, SlotMap]:

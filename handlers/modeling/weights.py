@@ -16,13 +16,11 @@ from pathlib import Path
 import torch
 
 from handlers.modeling.errors import CheckpointError
+from handlers.runtime.slot_maps import SlotMap
 
 from fbgemm_gpu.split_embedding_configs import SparseType  # isort: skip
 
 TableRows = tuple[torch.Tensor, "torch.Tensor | None"]
-# A raw-id table's slot map: the raw ids that own its slots, sorted (int64 [rows]; free slots last,
-# as int64 max), and the slot each owns (int64 [rows]). Slot s's owner: ids[slots == s].
-SlotMap = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclasses.dataclass

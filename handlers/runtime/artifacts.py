@@ -30,7 +30,7 @@ from handlers.runtime.archive_files import aoti_weights_file
 from handlers.runtime.batching import Batch, plain_arguments
 from handlers.runtime.freshness.delta_file import DenseShapes, dense_shapes
 from handlers.runtime.freshness.dense import is_table_constant
-from handlers.runtime.inputs import InputTag
+from handlers.runtime.inputs import RAW_ID_COUNTER, InputTag
 from handlers.runtime.quiet import quieter
 from handlers.runtime.torch_internals import run_package
 
@@ -89,7 +89,11 @@ class CompiledPackage:
         missing = sorted(names - set(self.original))
         if missing:
             raise ValueError(f"{path}: its weights file lacks constants {missing}")
-        self.active = {name: self.original[name] for name in names}
+        # The graph adds to its raw-id counters each run: this worker's own copies. A run that
+        # wrote into the mapped file would copy the page privately, and the tables or slot maps
+        # that share it would stop seeing the deltas written into the file.
+        self.active = {name: self.original[name].clone() if RAW_ID_COUNTER.search(name) else self.original[name]
+                       for name in names}
         self._load(self.active)
 
     def __call__(self, *arguments: torch.Tensor) -> torch.Tensor:

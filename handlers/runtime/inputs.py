@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import re
 import enum
 from pathlib import Path
 from typing import Any, Union
@@ -83,6 +84,10 @@ MCH_FREE_SLOT = (1 << 63) - 1
 # The attribute under which a served raw-id collection keeps its tables' slot maps
 # (``handlers.modeling.raw_ids.RawIdBags``): ``raw_id_remaps.<table>.sorted_ids`` and ``.slots``.
 SLOT_MAPS = "raw_id_remaps"
+
+
+# A raw-id table's running counts of unseen and looked-up ids, which the served graph adds to.
+RAW_ID_COUNTER = re.compile(rf"(?:^|\.){SLOT_MAPS}\.(?P<table>[^.]+)\.(?P<counter>unseen|lookups)$")
 
 
 def is_slot_map(name: str) -> bool:

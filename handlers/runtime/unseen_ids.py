@@ -11,16 +11,13 @@ stack of scalars, and answers what they grew by.
 from __future__ import annotations
 
 import contextlib
-import re
 from typing import Iterator
 
 import torch
 from torch import nn
 
 from handlers.runtime.artifacts import CompiledPackage, Runner
-from handlers.runtime.inputs import SLOT_MAPS, InputSchema
-
-_COUNTER = re.compile(rf"(?:^|\.){SLOT_MAPS}\.(?P<table>[^.]+)\.(?P<counter>unseen|lookups)$")
+from handlers.runtime.inputs import RAW_ID_COUNTER, InputSchema
 
 
 class UnseenIdCounter:
@@ -39,7 +36,7 @@ class UnseenIdCounter:
             return None
         found: dict[str, dict[str, torch.Tensor]] = {"unseen": {}, "lookups": {}}
         for name, tensor in _named_tensors(runner):
-            match = _COUNTER.search(name)
+            match = RAW_ID_COUNTER.search(name)
             if match:
                 found[match["counter"]][match["table"]] = tensor
         missing = sorted(tables - set(found["unseen"]) - set(found["lookups"]))

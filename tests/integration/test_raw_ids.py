@@ -5,6 +5,7 @@ served by the real TorchServe; TorchRec's own eval model is the reference throug
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from archive_tools.build import build_archive
-from archive_tools.delta import DeltaSource, make_delta
+from archive_tools.delta import DeltaSource, make_delta, verify_delta
 from archive_tools.local_server import LocalTorchServe
 from archive_tools.model_config import ServingConfig
 from archive_tools.planning import plan_tables
@@ -79,9 +80,16 @@ def trained(tiny_spec, tmp_path_factory):
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
     vocabulary = torch.randint(-(2**63), MCH_FREE_SLOT, (VOCABULARY,), generator=generator)
-    model = DLRMFactory(spec).float_model(seed=0).train()
+    model = DLRMFactory(spec).float_model(seed=0)
+    _train(model, spec, vocabulary, generator, steps=30)
+    torch.save(model.state_dict(), folder / "checkpoint.pt")
+    return spec, folder / "tiny_raw.yaml", model, folder / "checkpoint.pt"
+
+
+def _train(model, spec: ModelSpec, vocabulary: torch.Tensor, generator: torch.Generator, steps: int) -> None:
+    model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(30):
+    for _ in range(steps):
         dense, ids = _zipf_batch(spec, vocabulary, generator)
         clicks = (dense[:, 0] > 0).float()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, ids).reshape(-1), clicks)
@@ -89,8 +97,21 @@ def trained(tiny_spec, tmp_path_factory):
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
-    torch.save(model.state_dict(), folder / "checkpoint.pt")
-    return spec, folder / "tiny_raw.yaml", model, folder / "checkpoint.pt"
+
+
+@pytest.fixture(scope="module")
+def trained_on(trained):
+    """(the model trained 20 steps more, on a vocabulary whose most frequent half is new: MCH
+    evicts ids and gives their slots to new ones; its checkpoint)."""
+    spec, _, model, checkpoint = trained
+    later = DLRMFactory(spec).float_model(seed=0)
+    later.load_state_dict(torch.load(checkpoint, weights_only=True))
+    generator = torch.Generator().manual_seed(2)
+    fresh = torch.randint(-(2**63), MCH_FREE_SLOT, (VOCABULARY // 2,), generator=generator)
+    old = torch.randint(-(2**63), MCH_FREE_SLOT, (VOCABULARY,), generator=torch.Generator().manual_seed(0))
+    _train(later, spec, torch.cat([fresh, old[: VOCABULARY // 2]]), generator, steps=20)
+    torch.save(later.state_dict(), checkpoint.with_name("checkpoint-2.pt"))
+    return later, checkpoint.with_name("checkpoint-2.pt")
 
 
 @pytest.fixture(scope="module")
@@ -234,14 +255,15 @@ def _published(text: str, model: str) -> dict[tuple[str, str], float]:
 
 
 def test_what_raw_id_tables_do_not_do_yet_is_refused_naming_why(trained, tiny_spec, archives, tmp_path):
-    """A collection mixing raw and index tables, row deltas of a raw-id archive, planning a raw-id
+    """A collection mixing raw and index tables, a rows file for a raw-id table, planning a raw-id
     spec; and a slot map of the wrong size, or none, for a served table."""
     spec, spec_path, model, checkpoint = trained
     mixed = spec.replace(tables=[spec.tables[0], *tiny_spec.tables[1:]])
     with pytest.raises(SpecError, match=r"\['t_user'\] \(ids raw\) and .* \(ids index\)"):
         DLRMFactory(mixed).float_model(seed=0)
-    with pytest.raises(InputError, match="take raw ids: deltas"):
-        make_delta(archives["eager"], DeltaSource(checkpoint=checkpoint), Path("unused.delta"), sequence=1)
+    torch.save({"t_user": {"ids": torch.tensor([4]), "rows": torch.zeros(1, spec.tables[0].dim)}}, tmp_path / "rows.pt")
+    with pytest.raises(InputError, match="table t_user takes raw ids: its rows move between ids"):
+        make_delta(archives["eager"], DeltaSource(rows=tmp_path / "rows.pt"), tmp_path / "unused.delta", sequence=1)
     with pytest.raises(SpecError, match=r"take raw ids \(ids: raw\): the planner"):
         plan_tables(spec_path, tmp_path / "unread.jsonl", Budget(0.001, 0.002), tmp_path / "plan")
     served = DLRMFactory(spec).inference_model(DLRMFactory(spec).quantize(model)).sparse_arch.embedding_bag_collection
@@ -323,3 +345,51 @@ def test_a_model_trained_with_torchrecs_adapter_has_the_state_names_the_float_mo
     )
     theirs = adapter.state_dict()  # its tables on meta (the adapter's own choice): names, shapes and dtypes
     assert {k: (v.shape, v.dtype) for k, v in theirs.items()} == {k: (v.shape, v.dtype) for k, v in ours.state_dict().items()}
+
+
+def _publish(server: LocalTorchServe, model: str, dense_sequence: int, **params) -> dict:
+    """Publishes (or rolls back), then waits until the tables are applied and every worker
+    serves the dense weights of delta ``dense_sequence``."""
+    response = server.management("POST", f"/freshness/{model}", params=params)
+    assert response.status_code == 200, response.text
+    deadline = time.monotonic() + 60
+    while True:
+        state = server.management("GET", f"/freshness/{model}").json()
+        applied = state.get("rolling_back_to") is None and state["applied_sequence"] == state["log_head"]  # null: left out
+        if applied and {w.get("dense_sequence") for w in state["workers"]} == {dense_sequence}:
+            return state
+        assert time.monotonic() < deadline and not state.get("error"), state
+        time.sleep(0.05)
+
+
+def test_a_slot_delta_serves_what_a_fresh_build_of_the_later_checkpoint_serves(trained, trained_on, archives, tmp_path):
+    """Training on evicts ids and gives their slots to new ones: the delta carries those slots
+    with their new owners and rows (and the new dense weights); published to the AOTI archive through TorchServe it serves
+    the later checkpoint's fresh build exactly, and a rollback serves the base again."""
+    spec, spec_path, model, _ = trained
+    later, checkpoint = trained_on
+    store = archives["aoti"].parent
+    (store / "deltas").mkdir(exist_ok=True)  # where the plugin reads published deltas from
+    fresh = build_archive(spec_path, checkpoint=checkpoint, seed=0, name="tiny_raw_fresh", version="1.0",
+                          model_store=tmp_path, serving=ServingConfig(batch_size=8), artifact=Artifact.EAGER)
+    path = store / "deltas" / "slots-1.delta"
+    delta = make_delta(archives["aoti"], DeltaSource(checkpoint=checkpoint, dense=checkpoint), path, sequence=1)
+    assert verify_delta(archives["aoti"], path, checkpoint) == []
+    moved = {t: int((_owners(later)[t] != _owners(model)[t]).sum()) for t in ROWS}
+    assert all(moved[t] > 0 for t in ("t_user", "t_item", "t_category")), moved  # evictions and insertions
+    assert all(delta.rows_by_table[t] >= moved[t] for t in moved), (delta.rows_by_table, moved)
+    requests = [_request(spec, later, seed) for seed in (21, 22)] + [_request(spec, model, 23)]
+    base, expected = archive_service(archives["eager"]), archive_service(fresh)
+
+    def scores(service) -> list[float]:
+        return [x for r in requests for x in orjson.loads(service.handle([orjson.dumps(r)]).responses[0].body)["scores"]]
+
+    assert scores(base) != pytest.approx(scores(expected), abs=1e-4)
+    with LocalTorchServe(model_store=store) as server:
+        assert server.register(archives["aoti"].name, initial_workers=2).status_code == 200
+        served = lambda: [x for r in requests for x in server.predict("tiny_raw_aoti", r).json()["scores"]]  # noqa: E731
+        assert served() == pytest.approx(scores(base), abs=1e-6)
+        _publish(server, "tiny_raw_aoti", 1, delta="slots-1.delta")
+        assert served() == pytest.approx(scores(expected), abs=1e-6)
+        _publish(server, "tiny_raw_aoti", 0, rollback_to=0)
+        assert served() == pytest.approx(scores(base), abs=1e-6)

@@ -20,6 +20,12 @@ Progress is kept in ``freshness-state.json`` beside the working copy (written af
 sequence applied completely, and how far into the next delta the writer got. A writer
 that dies mid-delta is resumed by the next (rows are whole bytes, writing one twice is harmless).
 
+A raw-id table's records also move slots between raw ids: its slot map (``slot_maps``), which
+every worker maps from the same file, is rebuilt whole from the new owners outside the lock (on
+the writer's thread, 1 s at 10M slots), and the part of it that differs is copied in during the
+same hold of the lock as the section's rows (one hold per raw-id section): a forward sees the
+old owners with the old rows or the new with the new, never an id with another id's row.
+
 The rows a delta overwrites are kept for a rollback (``UndoLog``): each chunk's rows are read just
 before the chunk is written, in the same pass (the write then finds them in the cache; a separate
 pass over 100k random rows cost 16 ms in one burst), and appended to the delta's undo file.
@@ -34,15 +40,16 @@ import mmap
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 import orjson
 import torch
 
-from handlers.runtime.freshness.delta_file import Delta, DeltaWriter, TableSection, record_dtype
+from handlers.runtime.freshness.delta_file import Delta, DeltaError, DeltaWriter, TableSection
 from handlers.runtime.freshness.layout import TablesLayout
 from handlers.runtime.freshness.shared_tables import mappings
+from handlers.runtime.slot_maps import SlotMap, owners_of, with_owners
 
 LOCK_FILE = "freshness.lock"
 STATE_FILE = "freshness-state.json"
@@ -112,13 +119,27 @@ class AppliedState:
         os.replace(staged, path)  # readers see the old state or the new one
 
 
+@dataclasses.dataclass(frozen=True)
+class StagedMap:
+    """A raw-id table's new slot map, as far as it differs from the served one: its entries
+    ``start`` to ``start + len(sorted_ids)``."""
+
+    start: int
+    sorted_ids: torch.Tensor
+    slots: torch.Tensor
+
+
 class TableWriter:
     """Shared, writable views of the tables in ``weights_file``, a file the model's workers map.
 
-    ``buffers``: the TBE buffers as this process mapped them from that file; their offsets in the
-    file are read from the process's own mappings (``/proc/self/maps``)."""
+    ``buffers``: the TBE buffers as this process mapped them from that file, and ``slot_maps``
+    its raw-id tables' slot maps (``slot_maps.slot_maps_in``); their offsets in the file are read
+    from the process's own mappings (``/proc/self/maps``)."""
 
-    def __init__(self, weights_file: Path, buffers: list[torch.Tensor], layout: TablesLayout) -> None:
+    def __init__(
+        self, weights_file: Path, buffers: list[torch.Tensor], layout: TablesLayout,
+        slot_maps: Mapping[str, SlotMap] | None = None,
+    ) -> None:
         self.layout = layout
         self.pinned = False  # set once its pages are mapped and locked: no write faults then
         self._file = open(weights_file, "r+b")
@@ -133,10 +154,46 @@ class TableWriter:
             ).view(t.rows, t.row_bytes)
             for t in layout.tables
         }
+        maps = slot_maps or {}
+        missing = sorted(t.name for t in layout.tables if t.raw_ids and t.name not in maps)
+        if missing:
+            raise ValueError(f"{weights_file}: raw-id tables {missing} have no slot map in it")
+        self._maps: dict[str, SlotMap] = {
+            name: tuple(  # type: ignore[misc]
+                torch.from_numpy(data[start : start + t.numel() * 8]).view(torch.int64)
+                for t in pair for start in (file_offset(t, weights_file),)
+            )
+            for name, pair in maps.items()
+        }
 
-    def write(self, table: str, records: np.ndarray) -> None:
-        """Copies (id, row) records into the table."""
+    def write(self, table: str, records: np.ndarray, staged: StagedMap | None = None) -> None:
+        """Copies (id, row) records into the table, and ``staged``, its new slot map, into its
+        map (hold the row lock)."""
         self._tables[table].index_copy_(0, _index(records["id"]), torch.from_numpy(np.array(records["row"])))
+        if staged is not None:
+            end = staged.start + len(staged.sorted_ids)
+            for served, new in zip(self._maps[table], (staged.sorted_ids, staged.slots)):
+                served[staged.start : end].copy_(new)
+
+    def stage_owners(self, table: str, records: np.ndarray) -> StagedMap:
+        """The slot map after the (slot, owner, row) ``records``, built outside the lock: the
+        span that differs from the served map (its pages written back unchanged, so the copy
+        under the lock faults on none)."""
+        served = self._maps[table]
+        try:
+            sorted_ids, slots = with_owners(served, _index(records["id"]), _index(records["owner"]))
+        except ValueError as e:
+            raise DeltaError(f"tables.{table}.owners", str(e)) from None
+        differ = torch.nonzero((sorted_ids != served[0]) | (slots != served[1])).flatten()
+        start, end = (int(differ[0]), int(differ[-1]) + 1) if len(differ) else (0, 0)
+        if not self.pinned:
+            for tensor in served:
+                tensor[start:end].copy_(tensor[start:end].clone())
+        return StagedMap(start, sorted_ids[start:end].clone(), slots[start:end].clone())
+
+    def owners(self, table: str, slots: np.ndarray) -> np.ndarray:
+        """The raw ids that own ``slots`` of a raw-id table now."""
+        return owners_of(self._maps[table])[_index(slots)].numpy()
 
     def touch(self, table: str, ids: np.ndarray) -> None:
         """Writes the rows ``ids`` back as they are: their pages become present and writable in
@@ -215,14 +272,15 @@ def write_rows(
     """The delta's rows from the ``start_row``-th on into the tables, one chunk per hold of the
     lock, at ``pace``; ``progress(rows done, rows just written)`` after each chunk, outside the
     lock (a file write can wait on the disk; a resumed writer writes a few rows twice, the same
-    bytes). ``undo``: keeps each chunk's rows as they were before the chunk is written."""
+    bytes). ``undo``: keeps each chunk's rows as they were before the chunk is written. A
+    raw-id section is one chunk: its rows and its slot map change in one hold."""
     if undo is not None and undo.rows < start_row:
         raise RuntimeError(f"{undo.path}: holds the old values of {undo.rows} rows of delta {delta.header.sequence}, "
                            f"but {start_row} are written already: its undo is lost (was the log folder changed?)")
     done = 0
     started = time.perf_counter()
     for section in delta.header.tables:
-        for chunk in delta.chunks(section, pace.chunk_rows):
+        for chunk in delta.chunks(section, section.count if section.owners else pace.chunk_rows):
             if done + len(chunk) <= start_row:
                 done += len(chunk)
                 continue
@@ -232,8 +290,9 @@ def write_rows(
                 undo.keep(section, chunk, first)
             if not writer.pinned:
                 writer.touch(section.name, chunk["id"])  # the only writer: those bytes stay as they are
-            with lock.writing():  # held for a copy of the rows alone
-                writer.write(section.name, chunk)
+            staged = writer.stage_owners(section.name, chunk) if section.owners else None
+            with lock.writing():  # held for a copy of the rows (and a raw-id table's map) alone
+                writer.write(section.name, chunk, staged)
             done = first + len(chunk)
             if progress is not None:
                 progress(done, len(chunk))
@@ -270,7 +329,8 @@ class UndoLog:
         """Keeps the rows of ``chunk`` (the delta's rows ``first`` on) that it does not hold yet."""
         new = chunk["id"][max(0, self.rows - first):]
         if len(new):
-            self._out.add(self._writer.layout.table(section.name), new, self._writer.rows(section.name, new))
+            owners = self._writer.owners(section.name, new) if section.owners else None
+            self._out.add(self._writer.layout.table(section.name), new, self._writer.rows(section.name, new), owners)
             self._out.flush()
             self.rows = first + len(chunk)
 
@@ -286,13 +346,14 @@ class UndoLog:
         data = np.memmap(earlier, dtype=np.uint8, mode="r") if earlier.stat().st_size else np.empty(0, np.uint8)
         at = 0
         for section in delta.header.tables:
-            size = record_dtype(section.row_bytes).itemsize
+            size = section.records.itemsize
             whole = min(section.count, (len(data) - at) // size)
-            records = data[at : at + whole * size].view(record_dtype(section.row_bytes))
+            records = data[at : at + whole * size].view(section.records)
             differ = np.flatnonzero(records["id"] != delta.records(section)["id"][:whole])
             same = int(differ[0]) if len(differ) else whole  # the leading records with the delta's ids
             if same:
-                self._out.add(self._writer.layout.table(section.name), records["id"][:same], records["row"][:same])
+                owners = records["owner"][:same] if section.owners else None
+                self._out.add(self._writer.layout.table(section.name), records["id"][:same], records["row"][:same], owners)
             self.rows += same
             at += whole * size
             if same < section.count:

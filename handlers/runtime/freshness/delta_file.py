@@ -8,6 +8,10 @@ little-endian) and the magic ``TRSDELT1``::
 
     [table 0: count x (id int64 LE, row row_bytes)] [table 1] ... [dense tensors] [header] [u64] [magic]
 
+A raw-id table's records (``"owners": true`` in its section) name each slot's owner too,
+``(id int64, owner int64, row)``: the raw id that owns the slot from this delta on
+(``MCH_FREE_SLOT``: none), applied with the row (``applier``), so an id never meets another id's row.
+
     {"format": 1, "model": "criteo", "base": "<fingerprint of the archive's weights>",
      "sequence": 3, "created_at": "2026-11-23T07:00:00+00:00",
      "tables": [{"name": "cat_0", "dtype": "int8", "dim": 64, "row_bytes": 68, "count": 1000,
@@ -45,6 +49,7 @@ import torch
 import xxhash
 
 from handlers.runtime.errors import BadRequest
+from handlers.runtime.inputs import MCH_FREE_SLOT
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout
 
 MAGIC = b"TRSDELT1"
@@ -52,9 +57,11 @@ FORMAT = 3  # 2: ids in any order; 1: sha256 checksums
 _TRAILER = struct.Struct("<Q8s")
 
 
-def record_dtype(row_bytes: int) -> np.dtype:
-    """One record of a table section: the row id and its bytes."""
-    return np.dtype([("id", "<i8"), ("row", np.uint8, (row_bytes,))])
+def record_dtype(row_bytes: int, owners: bool = False) -> np.dtype:
+    """One record of a table section: the row id (a raw-id table's slot), the raw id that owns
+    it (``owners``: a raw-id table's section), and the row's bytes."""
+    owner = [("owner", "<i8")] if owners else []
+    return np.dtype([("id", "<i8"), *owner, ("row", np.uint8, (row_bytes,))])
 
 
 class DeltaError(BadRequest):
@@ -73,6 +80,11 @@ class TableSection:
     count: int
     offset: int
     xxh3_128: str
+    owners: bool = False  # records name each slot's raw-id owner (a raw-id table)
+
+    @property
+    def records(self) -> np.dtype:
+        return record_dtype(self.row_bytes, self.owners)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +153,13 @@ class DeltaWriter:
         self._last_id = -1  # of the current table: its ids must keep increasing
         self._dense: dict | None = None
 
-    def add(self, table: TableLayout, ids: np.ndarray, rows: np.ndarray) -> None:
+    def add(self, table: TableLayout, ids: np.ndarray, rows: np.ndarray, owners: np.ndarray | None = None) -> None:
         """Appends rows of ``table``; a table's chunks must come one after another, its ids
-        strictly increasing through them."""
+        strictly increasing through them. ``owners`` (int64 [n]): of a raw-id table's slots, and
+        only of those."""
+        if (owners is not None) != table.raw_ids:
+            raise ValueError(f"table {table.name}: its records {'need' if table.raw_ids else 'take no'} owners "
+                             f"({'a' if table.raw_ids else 'not a'} raw-id table)")
         if self._dense is not None:
             raise ValueError("the dense section comes after every table's rows")
         if table.name in self._sections and self._current != table.name:
@@ -151,7 +167,7 @@ class DeltaWriter:
         if table.name not in self._sections:
             self._sections[table.name] = {
                 "name": table.name, "dtype": table.dtype, "dim": table.dim, "row_bytes": table.row_bytes,
-                "count": 0, "offset": self._file.tell(),
+                "count": 0, "offset": self._file.tell(), "owners": table.raw_ids,
             }
             self._hashes[table.name] = xxhash.xxh3_128()
             self._last_id = -1
@@ -163,9 +179,11 @@ class DeltaWriter:
         if len(ids) and (ids[0] <= self._last_id or not _increasing(ids)):
             raise ValueError(f"table {table.name}: ids must be strictly increasing through its chunks (sorted, each once)")
         self._last_id = int(ids[-1]) if len(ids) else self._last_id
-        records = np.empty(len(ids), record_dtype(table.row_bytes))
+        records = np.empty(len(ids), record_dtype(table.row_bytes, table.raw_ids))
         records["id"] = ids
         records["row"] = rows
+        if owners is not None:
+            records["owner"] = np.asarray(owners, dtype=np.int64)
         data = records.tobytes()
         self._file.write(data)
         self._hashes[table.name].update(data)
@@ -225,9 +243,9 @@ class Delta:
     _data: np.ndarray  # the file, mapped
 
     def records(self, table: TableSection) -> np.ndarray:
-        """The table's (id, row) records, mapped from the file."""
-        end = table.offset + table.count * record_dtype(table.row_bytes).itemsize
-        return self._data[table.offset : end].view(record_dtype(table.row_bytes))
+        """The table's (id, row) or (id, owner, row) records, mapped from the file."""
+        end = table.offset + table.count * table.records.itemsize
+        return self._data[table.offset : end].view(table.records)
 
     def chunks(self, table: TableSection, rows_per_chunk: int) -> Iterator[np.ndarray]:
         records = self.records(table)
@@ -297,10 +315,13 @@ def read_delta(path: Path, layout: TablesLayout) -> Delta:
         if section.name in seen:
             raise DeltaError(field, "given twice")
         seen.add(section.name)
+        if section.owners != table.raw_ids:
+            raise DeltaError(f"{field}.owners", f"is {section.owners}: records of {'a' if table.raw_ids else 'an index'} "
+                             f"table {'name' if table.raw_ids else 'do not name'} their slots' raw-id owners")
         for key in ("dtype", "dim", "row_bytes"):
             if getattr(section, key) != getattr(table, key):
                 raise DeltaError(f"{field}.{key}", f"is {getattr(section, key)!r}, the served table's is {getattr(table, key)!r}")
-        end = section.offset + section.count * record_dtype(section.row_bytes).itemsize
+        end = section.offset + section.count * section.records.itemsize
         if section.offset < 0 or section.count < 0 or end > header_start:
             raise DeltaError(field, "its rows lie outside the file: truncated")
         records = delta.records(section)
@@ -314,9 +335,21 @@ def read_delta(path: Path, layout: TablesLayout) -> Delta:
         if len(ids) and (ids[0] < 0 or ids[-1] >= table.rows):
             bad = int(ids[0] if ids[0] < 0 else ids[-1])
             raise DeltaError(f"{field}.ids", f"id {bad} is outside the table's {table.rows} rows")
+        if section.owners:
+            _check_owners(records, field)
     if header.dense is not None:
         _check_dense_bytes(delta, header.dense, header_start)
     return delta
+
+
+def _check_owners(records: np.ndarray, field: str) -> None:
+    """A raw-id section's owners: an id owns one slot at most (``MCH_FREE_SLOT`` marks free ones)."""
+    owners = np.sort(records["owner"][records["owner"] != MCH_FREE_SLOT])
+    twice = np.flatnonzero(owners[1:] == owners[:-1])
+    if len(twice):
+        raw_id = int(owners[twice[0]])
+        slots = records["id"][records["owner"] == raw_id].tolist()
+        raise DeltaError(f"{field}.owners", f"raw id {raw_id} is given slots {slots}: an id owns one slot")
 
 
 def _increasing(ids: np.ndarray) -> bool:

@@ -10,6 +10,8 @@ fingerprint of the rows an archive was built with.
 A table's row ``i`` is the ``row_bytes`` bytes at ``offset + i * row_bytes`` of TBE buffer
 ``buffer``: for int8/int4/int2 an fp16 scale and an fp16 bias, then the packed values; for fp16/fp32
 the values; padded with zeros to FBGEMM's row alignment. A delta carries whole rows in this form.
+A raw-id table (``"raw_ids": true``) also has a slot map in the weights file
+(``handlers.runtime.slot_maps``), which a delta changes with the rows.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class TableLayout:
     row_bytes: int
     buffer: int  # which TBE buffer
     offset: int  # byte offset of row 0 in it
+    raw_ids: bool = False  # its rows are slots that raw ids own: a delta's records name their owners
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,7 @@ from handlers.runtime.freshness.protocol import (
 )
 from handlers.runtime.freshness.shared_tables import SharedTables, pin_in_memory, sweep
 from handlers.runtime.options import HandlerOptions
+from handlers.runtime.slot_maps import slot_maps_in
 
 logger = logging.getLogger(__name__)
 
@@ -152,10 +153,9 @@ class WorkerFreshness:
         that go with it."""
         # Mapped and pinned before serving: pinning a mapping later (6 GiB: 1.5M pages) would hold
         # up this process's memory calls, the forwards' among them, for a second or more.
+        weights = torch.load(self.weights_file, mmap=True, weights_only=True)
         writer = TableWriter(
-            self.weights_file,
-            table_buffers(torch.load(self.weights_file, mmap=True, weights_only=True), self.layout.buffer_constants),
-            self.layout,
+            self.weights_file, table_buffers(weights, self.layout.buffer_constants), self.layout, slot_maps_in(weights)
         )
         self.follower = LogFollower(self.folder, self.layout, writer, self.lock, self.pace)
         self._pin_tables(writer)
