@@ -24,7 +24,7 @@ from handlers.modeling.spec import ModelSpec
 from handlers.modeling.weights import InferenceWeights
 from handlers.runtime.batching import Batch
 from handlers.runtime.freshness.delta_file import DenseShapes, dense_shapes
-from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds
+from handlers.runtime.inputs import RAW_ID_COUNTER, BatchKind, InputTag, JaggedIds
 from handlers.runtime.quiet import quieter
 from handlers.runtime.service import ScoringService
 
@@ -124,7 +124,13 @@ class SwappableEagerModel(EagerModel):
         return dense_shapes(self.weights.dense)
 
     def swap_dense(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
-        self.module = self._model(self.weights.dense if tensors is None else tensors, self.device)
+        module = self._model(self.weights.dense if tensors is None else tensors, self.device)
+        # the new model counts on in the served one's raw-id counters, which the handler reads
+        for name, counter in self.module.named_buffers():
+            if RAW_ID_COUNTER.search(name):
+                path, _, attribute = name.rpartition(".")
+                setattr(module.get_submodule(path), attribute, counter)
+        self.module = module
 
 
 def load_eager_model(

@@ -31,6 +31,7 @@ from handlers.modeling.spec import ModelSpec
 from handlers.runtime.archive import Archive
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.errors import BadRequest, InputError
+from handlers.runtime.freshness.dense import dense_slot
 from handlers.runtime.inputs import MCH_FREE_SLOT
 from handlers.runtime.split import SplitPlan
 from handlers.runtime.wire.decoder import RequestDecoder
@@ -199,6 +200,18 @@ def test_every_artifact_kind_remaps_and_counts_unseen_ids_as_eager(trained, arch
         assert set(service.handle([orjson.dumps(empty)]).stats.raw_ids.values()) == {0}, kind
 
 
+def test_unseen_ids_are_counted_on_after_a_dense_swap(trained, archives):
+    """A swap of the dense weights (a delta's dense section) keeps the model's raw-id counters."""
+    spec, _, model, _ = trained
+    request = [orjson.dumps(_request(spec, model, 13))]
+    for kind in ("eager", "aoti"):
+        service = archive_service(archives[kind])
+        counted = service.handle(request).stats.unseen_ids
+        assert all(counted.values()), kind
+        dense_slot(service.model).swap_dense(None)
+        assert service.handle(request).stats.unseen_ids == counted, kind
+
+
 def test_raw_ids_arrive_exactly_and_the_free_slot_marker_is_refused(trained):
     spec, _, model, _ = trained
     decoder = RequestDecoder(input_schema(spec))
@@ -364,20 +377,22 @@ def _publish(server: LocalTorchServe, model: str, dense_sequence: int, **params)
 
 def test_a_slot_delta_serves_what_a_fresh_build_of_the_later_checkpoint_serves(trained, trained_on, archives, tmp_path):
     """Training on evicts ids and gives their slots to new ones: the delta carries those slots
-    with their new owners and rows (and the new dense weights); published to the AOTI archive through TorchServe it serves
-    the later checkpoint's fresh build exactly, and a rollback serves the base again."""
+    with their new owners and rows (and the new dense weights). Published to the AOTI archive
+    (two workers) and the eager one through TorchServe, each serves the later checkpoint's fresh
+    build exactly; a rollback serves the base again."""
     spec, spec_path, model, _ = trained
     later, checkpoint = trained_on
     store = archives["aoti"].parent
     (store / "deltas").mkdir(exist_ok=True)  # where the plugin reads published deltas from
     fresh = build_archive(spec_path, checkpoint=checkpoint, seed=0, name="tiny_raw_fresh", version="1.0",
                           model_store=tmp_path, serving=ServingConfig(batch_size=8), artifact=Artifact.EAGER)
-    path = store / "deltas" / "slots-1.delta"
-    delta = make_delta(archives["aoti"], DeltaSource(checkpoint=checkpoint, dense=checkpoint), path, sequence=1)
-    assert verify_delta(archives["aoti"], path, checkpoint) == []
     moved = {t: int((_owners(later)[t] != _owners(model)[t]).sum()) for t in ROWS}
     assert all(moved[t] > 0 for t in ("t_user", "t_item", "t_category")), moved  # evictions and insertions
-    assert all(delta.rows_by_table[t] >= moved[t] for t in moved), (delta.rows_by_table, moved)
+    for kind in ("aoti", "eager"):
+        path = store / "deltas" / f"slots-{kind}.delta"
+        delta = make_delta(archives[kind], DeltaSource(checkpoint=checkpoint, dense=checkpoint), path, sequence=1)
+        assert verify_delta(archives[kind], path, checkpoint) == []
+        assert all(delta.rows_by_table[t] >= moved[t] for t in moved), (delta.rows_by_table, moved)
     requests = [_request(spec, later, seed) for seed in (21, 22)] + [_request(spec, model, 23)]
     base, expected = archive_service(archives["eager"]), archive_service(fresh)
 
@@ -386,10 +401,12 @@ def test_a_slot_delta_serves_what_a_fresh_build_of_the_later_checkpoint_serves(t
 
     assert scores(base) != pytest.approx(scores(expected), abs=1e-4)
     with LocalTorchServe(model_store=store) as server:
-        assert server.register(archives["aoti"].name, initial_workers=2).status_code == 200
-        served = lambda: [x for r in requests for x in server.predict("tiny_raw_aoti", r).json()["scores"]]  # noqa: E731
-        assert served() == pytest.approx(scores(base), abs=1e-6)
-        _publish(server, "tiny_raw_aoti", 1, delta="slots-1.delta")
-        assert served() == pytest.approx(scores(expected), abs=1e-6)
-        _publish(server, "tiny_raw_aoti", 0, rollback_to=0)
-        assert served() == pytest.approx(scores(base), abs=1e-6)
+        for kind, workers in (("aoti", 2), ("eager", 1)):
+            model_name = f"tiny_raw_{kind}"
+            assert server.register(archives[kind].name, initial_workers=workers).status_code == 200
+            served = lambda: [x for r in requests for x in server.predict(model_name, r).json()["scores"]]  # noqa: E731
+            assert served() == pytest.approx(scores(base), abs=1e-6), kind
+            _publish(server, model_name, 1, delta=f"slots-{kind}.delta")
+            assert served() == pytest.approx(scores(expected), abs=1e-6), kind
+            _publish(server, model_name, 0, rollback_to=0)
+            assert served() == pytest.approx(scores(base), abs=1e-6), kind

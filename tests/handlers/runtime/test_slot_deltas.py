@@ -1,0 +1,142 @@
+"""Deltas of raw-id tables: slot maps rebuilt from new owners, records that name each slot's
+owner, and owners written with their rows into a mapped weights file under the row lock, never
+seen torn by a reader of another mapping; undone with their rows."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from handlers.modeling.raw_ids import SlotRemap
+from handlers.runtime.freshness.applier import Pace, RowLock, TableWriter, apply_delta, write_rows
+from handlers.runtime.freshness.delta_file import DeltaError, DeltaWriter, read_delta
+from handlers.runtime.freshness.layout import TableLayout, TablesLayout, table_buffers
+from handlers.runtime.inputs import MCH_FREE_SLOT
+from handlers.runtime.slot_maps import owners_of, slot_map, slot_maps_in, with_owners
+
+ROWS = 64
+RAW = TableLayout("r", "fp32", 4, ROWS, 16, buffer=0, offset=0, raw_ids=True)
+INDEX = TableLayout("i", "fp32", 4, ROWS, 16, buffer=0, offset=ROWS * 16)
+LAYOUT = TablesLayout("f" * 64, (RAW, INDEX))
+# slot k owned by raw id 1000 * k - 7 (negative, positive, unordered), the last slot free
+OWNERS = torch.tensor([(1000 * k - 7) * (-1) ** k for k in range(ROWS - 1)] + [MCH_FREE_SLOT])
+
+
+def _row_bytes(values) -> np.ndarray:
+    """fp32 rows [n, 4] as the table holds them, uint8 [n, 16]."""
+    return np.asarray(values, np.float32).reshape(-1, 4).view(np.uint8)
+
+
+def test_a_slot_map_rebuilt_from_new_owners_is_the_map_of_those_owners():
+    current = slot_map(OWNERS)
+    assert torch.equal(owners_of(current), OWNERS)
+    slots, owners = torch.tensor([0, 5, ROWS - 1]), torch.tensor([77, MCH_FREE_SLOT, -(2**63)])
+    expected = OWNERS.clone()
+    expected[slots] = owners
+    for got, want in zip(with_owners(current, slots, owners), slot_map(expected)):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"raw id -993 would own slots \[1, 2\]"):  # slot 1's owner given slot 2 too
+        with_owners(current, torch.tensor([2]), OWNERS[1:2])
+
+
+def test_slot_maps_are_found_under_both_names_and_a_half_map_is_refused():
+    ids, slots = slot_map(OWNERS)
+    assert set(slot_maps_in({"slot_maps.r.sorted_ids": ids, "slot_maps.r.slots": slots, "tbe.0": ids})) == {"r"}
+    compiled = {"model.sparse.raw_id_remaps.r.sorted_ids": ids, "model.sparse.raw_id_remaps.r.slots": slots,
+                "model.sparse.raw_id_remaps.r.unseen": torch.zeros((), dtype=torch.int64)}
+    assert torch.equal(slot_maps_in(compiled)["r"][1], slots)
+    with pytest.raises(ValueError, match=r"tables \['r'\] lack sorted_ids or slots"):
+        slot_maps_in({"slot_maps.r.slots": slots})
+
+
+def _delta(path, records: dict[str, tuple], sequence: int = 1, layout: TablesLayout = LAYOUT):
+    with DeltaWriter(path, model="m", base=layout.fingerprint, sequence=sequence) as out:
+        for name, (ids, rows, owners) in records.items():
+            out.add(layout.table(name), np.array(ids), rows, None if owners is None else np.array(owners))
+    return path
+
+
+def test_a_raw_id_tables_records_carry_owners_and_only_its_do(tmp_path):
+    path = _delta(tmp_path / "d.delta", {"r": ([2, 9], _row_bytes(np.ones(8)), [5, MCH_FREE_SLOT]),
+                                         "i": ([3], _row_bytes(np.ones(4)), None)})
+    delta = read_delta(path, LAYOUT)
+    raw, index = (delta.records(s) for s in delta.header.tables)
+    assert raw["owner"].tolist() == [5, MCH_FREE_SLOT] and raw["id"].tolist() == [2, 9]
+    assert "owner" not in index.dtype.names
+    with pytest.raises(ValueError, match="table r: its records need owners"):
+        _delta(tmp_path / "x.delta", {"r": ([2], _row_bytes(np.ones(4)), None)})
+    with pytest.raises(ValueError, match="table i: its records take no owners"):
+        _delta(tmp_path / "x.delta", {"i": ([2], _row_bytes(np.ones(4)), [5])})
+
+
+@pytest.mark.parametrize("served, owners, field, problem", [
+    (TablesLayout("f" * 64, (RAW.__class__(**{**RAW.__dict__, "raw_ids": False}), INDEX)), [5, 6],
+     "tables.r.owners", "do not name their slots' raw-id owners"),
+    (LAYOUT, [5, 5], "tables.r.owners", "raw id 5 is given slots [2, 9]"),
+])
+def test_a_raw_id_section_that_does_not_fit_is_refused_naming_the_field(tmp_path, served, owners, field, problem):
+    path = _delta(tmp_path / "d.delta", {"r": ([2, 9], _row_bytes(np.ones(8)), owners)})
+    with pytest.raises(DeltaError) as refused:
+        read_delta(path, served)
+    assert refused.value.field == field and problem in refused.value.message
+
+
+def _weights_file(tmp_path):
+    """A weights file with a raw-id table and its slot map, mapped as a worker maps it: (path,
+    the mapped tensors, a writer of the file)."""
+    path = tmp_path / "weights.pt"
+    ids, slots = slot_map(OWNERS)
+    rows = torch.arange(2 * ROWS * 4, dtype=torch.float32).reshape(2 * ROWS, 4)
+    torch.save({"tbe.0": rows.reshape(-1).view(torch.uint8), "slot_maps.r.sorted_ids": ids, "slot_maps.r.slots": slots}, path)
+    mapped = torch.load(path, mmap=True, weights_only=True)
+    return path, mapped, TableWriter(path, table_buffers(mapped), LAYOUT, slot_maps_in(mapped))
+
+
+def test_owners_and_rows_written_in_place_are_seen_through_another_mapping_and_undone_together(tmp_path):
+    path, mapped, writer = _weights_file(tmp_path)
+    before = {k: v.clone() for k, v in mapped.items()}
+    # id OWNERS[3] is evicted: slot 3 goes to a new id with a new row; slot 63 (free) is taken
+    delta = read_delta(_delta(tmp_path / "d.delta", {"r": ([3, ROWS - 1], _row_bytes(-np.ones(8)), [123, -456])}), LAYOUT)
+    apply_delta(delta, writer, RowLock(tmp_path), tmp_path, Pace(), undo=tmp_path / "d.undo")
+    remap = SlotRemap(ROWS)
+    remap.load((mapped["slot_maps.r.sorted_ids"], mapped["slot_maps.r.slots"]))  # the reader's own mapping
+    assert remap(torch.tensor([123, -456, int(OWNERS[3]), int(OWNERS[4])])).tolist() == [3, ROWS - 1, ROWS - 1, 4]
+    rows = mapped["tbe.0"].view(torch.float32).reshape(2 * ROWS, 4)
+    assert rows[3].tolist() == [-1.0] * 4 and rows[4].tolist() == before["tbe.0"].view(torch.float32)[16:20].tolist()
+    write_rows(read_delta(tmp_path / "d.undo", LAYOUT), writer, RowLock(tmp_path), Pace())
+    assert all(torch.equal(mapped[k], before[k]) for k in before)
+
+
+def test_no_reader_sees_an_id_with_another_ids_row(tmp_path):
+    """Torn-pair probe: ids A and B swap slots 10 and 20, each taking its own row along, delta
+    after delta, while a reader maps A under the row lock and reads its row: always A's."""
+    path, mapped, writer = _weights_file(tmp_path)
+    a, b = int(OWNERS[10]), int(OWNERS[20])
+    rows = {a: _row_bytes(np.full(4, 1.0)), b: _row_bytes(np.full(4, 2.0))}
+    deltas = [
+        read_delta(_delta(tmp_path / f"{k}.delta", {"r": ([10, 20], np.concatenate([rows[x], rows[y]]), [x, y])}), LAYOUT)
+        for k, (x, y) in enumerate(((a, b), (b, a)))
+    ]
+    remap = SlotRemap(ROWS)
+    remap.load((mapped["slot_maps.r.sorted_ids"], mapped["slot_maps.r.slots"]))
+    table = mapped["tbe.0"].view(torch.float32).reshape(2 * ROWS, 4)
+    lock, stop, seen = RowLock(tmp_path), threading.Event(), []
+    writing = RowLock(tmp_path)  # the writer's own open file: excludes the reader's
+    write_rows(deltas[0], writer, writing, Pace())  # A's row is 1.0 from here on
+
+    def read() -> None:
+        while not stop.is_set():
+            with lock.reading():
+                seen.append(float(table[int(remap(torch.tensor([a])))][0]))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for k in range(1, 201):
+        write_rows(deltas[k % 2], writer, writing, Pace(rows_per_s=1e9))
+    stop.set()
+    reader.join()
+    torn = [v for v in seen if v != 1.0]
+    assert len(seen) > 100 and not torn, (len(seen), torn[:5])
