@@ -21,11 +21,16 @@ replaced by the raw id that owns it, so both models look up exactly the same row
 * ``extra_bytes_per_row``: what the raw-id archive's weights hold per slot besides the rows (its
   slot maps' bytes over the slots); ``extra_file_bytes``, ``extra_package_bytes``: its weights file
   and its compiled package (code, compiled archives only) over the row-id archive's, in bytes;
-* ``remap_us_per_4k_ids_zch``, ``mch_swap_s``, ``torn_pairs``: not measured (``not_measured``
-  says why): zero-collision hashing and slot deltas are not served yet.
+* ``torn_pairs``: scores that saw an id with another id's row while deltas swapped two ids'
+  slots under traffic, through TorchServe (``benchmarks.slot_deltas``); ``torn_probe_*``: its size;
+* ``mch_swap_s``: moving ``swap_evictions`` slots of the table nearest 10M slots to new raw ids,
+  the slot map rebuilt and swapped in as the delta writer does it, in process; ``mch_swap``: the
+  same per table (its rebuild, and the ms under the row lock);
+* ``remap_us_per_4k_ids_zch``: not measured (``not_measured`` says why): zero-collision hashing is
+  not served yet.
 
 Targets: ``p50_overhead_pct`` at most 5; ``unseen_counted`` equal to ``unseen_true``;
-``extra_bytes_per_row`` at most 16.
+``extra_bytes_per_row`` at most 16; ``torn_pairs`` 0; ``mch_swap_s`` at most 2.
 """
 
 from __future__ import annotations
@@ -45,19 +50,17 @@ from tqdm import tqdm
 from archive_tools.local_server import LocalTorchServe
 from benchmarks.building import build
 from benchmarks.scenarios import MODELS
+from benchmarks.slot_deltas import swap_figures, torn_pairs
 from benchmarks.traffic import Traffic, TrafficModel
 from benchmarks.wrk import run_wrk
 from handlers.modeling.raw_ids import SlotRemap
 from handlers.modeling.registry import load_spec
 from handlers.modeling.spec import ModelSpec
 from handlers.runtime.archive_files import WEIGHTS, aoti_weights_file
-from handlers.runtime.inputs import MCH_FREE_SLOT, SLOT_MAPS
+from handlers.runtime.inputs import MCH_FREE_SLOT
+from handlers.runtime.slot_maps import slot_maps_in
 
-NOT_MEASURED = {
-    "remap_us_per_4k_ids_zch": "zero-collision hashing (remap kind zch) is not served yet",
-    "mch_swap_s": "slot deltas (moving slots between raw ids) are not made yet",
-    "torn_pairs": "slot deltas (moving slots between raw ids) are not made yet",
-}
+NOT_MEASURED = {"remap_us_per_4k_ids_zch": "zero-collision hashing (remap kind zch) is not served yet"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +72,17 @@ class RawIdsScenario:
     counted_requests: int  # sent once each, for the unseen counts
     unseen_share: float = 0.05  # of the raw traffic's ids, replaced by ids no table has seen
     artifact: str = "aoti"  # what both archives serve (the smoke: eager, seconds to build)
+    probe_table: str = "t_cat_1"  # two of its slots swap owners under traffic (torn pairs)
+    probe_publishes: int = 20
+    swap_tables: tuple[str, ...] = ("t_cat_20", "t_cat_19")  # the first gives mch_swap_s (11.3M slots)
+    swap_evictions: int = 10_000
 
 
 RAW_IDS_SCENARIOS = {
     "raw_ids": RawIdsScenario("raw_ids", MODELS / "criteo_1tb.yaml", seconds=8.0, rounds=5, counted_requests=2000),
     "raw_ids-smoke": RawIdsScenario(
-        "raw_ids-smoke", MODELS / "tiny.yaml", seconds=1.0, rounds=1, counted_requests=50, artifact="eager"
+        "raw_ids-smoke", MODELS / "tiny.yaml", seconds=1.0, rounds=1, counted_requests=50, artifact="eager",
+        probe_table="t_user", probe_publishes=4, swap_tables=("t_user",), swap_evictions=100,
     ),
 }
 
@@ -86,14 +94,14 @@ def run_raw_ids(scenario: RawIdsScenario, out_dir: Path) -> dict:
     spec = load_spec(scenario.spec)
     raw_spec = raw_ids_spec(spec)
     raw_spec.to_yaml(out_dir / f"{raw_spec.name}.yaml")
-    progress = tqdm(total=4, desc=scenario.name, unit="step")
+    progress = tqdm(total=6, desc=scenario.name, unit="step")
     for name, path in ((spec.name, scenario.spec), (raw_spec.name, out_dir / f"{raw_spec.name}.yaml")):
         progress.set_postfix_str(f"build {name}")
         build(path, store, "--init", "quantized", "--seed", "0", "--artifact", scenario.artifact,
               "--archive-format", "no-archive")
         progress.update()
-    maps = slot_maps(store / raw_spec.name)
-    weights_file = {name: _weights_file(store / name) for name in (spec.name, raw_spec.name)}
+    weights = {name: weights_file(store / name) for name in (spec.name, raw_spec.name)}
+    maps = slot_maps_in(torch.load(weights[raw_spec.name], mmap=True, weights_only=True))
     rows = TrafficModel(items_per_request=1).generate(spec, 512, seed=1)
     raw, unseen_true = raw_traffic(rows, raw_spec, maps, scenario.unseen_share, seed=2)
     progress.set_postfix_str("remap in process")
@@ -107,11 +115,25 @@ def run_raw_ids(scenario: RawIdsScenario, out_dir: Path) -> dict:
     figures["unseen_true"] = sum(unseen_true[: scenario.counted_requests])
     slots = sum(t.rows for t in spec.tables)
     figures["extra_bytes_per_row"] = sum(ids.nbytes + owner.nbytes for ids, owner in maps.values()) / slots
-    figures["extra_file_bytes"] = weights_file[raw_spec.name].stat().st_size - weights_file[spec.name].stat().st_size
+    figures["extra_file_bytes"] = weights[raw_spec.name].stat().st_size - weights[spec.name].stat().st_size
     if scenario.artifact == "aoti":
         packages = [(store / name / "model_aoti.pt2").stat().st_size for name in (raw_spec.name, spec.name)]
         figures["extra_package_bytes"] = packages[0] - packages[1]
     figures["counted_requests"] = len(counted)
+    progress.update()
+    progress.set_postfix_str("torn-pair probe")
+    with LocalTorchServe(model_store=store) as server:
+        server.register(raw_spec.name, initial_workers=1).raise_for_status()
+        figures.update(torn_pairs(server, raw_spec.name, store / raw_spec.name, weights[raw_spec.name],
+                                  scenario.probe_table, scenario.probe_publishes))
+    progress.update()
+    progress.set_postfix_str("slot map swaps")  # last: they change the archive's weights file
+    figures["mch_swap"] = {
+        table: swap_figures(store / raw_spec.name, weights[raw_spec.name], table, scenario.swap_evictions, seed=4,
+                            lock_folder=out_dir)
+        for table in scenario.swap_tables
+    }
+    figures["mch_swap_s"] = figures["mch_swap"][scenario.swap_tables[0]]["swap_s"]
     figures["not_measured"] = NOT_MEASURED
     progress.update()
     progress.close()
@@ -128,19 +150,8 @@ def raw_ids_spec(spec: ModelSpec) -> ModelSpec:
     return spec.replace(name=f"{spec.name}_raw", tables=tables, out_of_range="reject")
 
 
-def slot_maps(archive: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Each raw-id table's slot map (sorted owners, their slots) from an archive folder's weights
-    file (a compiled package's constants, or an eager archive's ``weights.pt``), memory-mapped."""
-    tensors = torch.load(_weights_file(archive), mmap=True, weights_only=True)
-    maps = {}
-    for name, tensor in tensors.items():
-        prefix, _, field = name.rpartition(".")
-        if (f"{SLOT_MAPS}." in name or name.startswith("slot_maps.")) and field == "sorted_ids":
-            maps[prefix.rpartition(".")[2]] = (tensor, tensors[f"{prefix}.slots"])
-    return maps
-
-
-def _weights_file(archive: Path) -> Path:
+def weights_file(archive: Path) -> Path:
+    """The file that holds an archive folder's tables and slot maps."""
     package = archive / "model_aoti.pt2"
     return aoti_weights_file(package) if package.exists() else archive / WEIGHTS
 
@@ -264,13 +275,17 @@ def _targets(figures: dict) -> list[dict]:
         target("served p50 overhead of raw ids at c=1, %", figures["p50_overhead_pct"], "<=", 5.0),
         target("unseen ids counted exactly", figures["unseen_counted"], "==", figures["unseen_true"]),
         target("extra archive bytes per row (MCH)", figures["extra_bytes_per_row"], "<=", 16.0),
+        target("torn id/row pairs under slot deltas", figures["torn_pairs"], "==", 0),
+        target(f"MCH slot map swap at {figures['mch_swap'][next(iter(figures['mch_swap']))]['slots']:,} slots, s",
+               figures["mch_swap_s"], "<=", 2.0),
     ]
 
 
 def summary(figures: dict) -> str:
     lines = [f"raw ids scenario {figures['scenario']} ({figures['spec']}, every table raw, MCH)"]
     for key in ("remap_us_per_4k_ids_mch", "p50_ms_row_ids", "p50_ms_raw_ids", "p50_overhead_pct",
-                "unseen_counted", "unseen_true", "extra_bytes_per_row"):
+                "unseen_counted", "unseen_true", "extra_bytes_per_row", "torn_pairs", "torn_probe_requests",
+                "mch_swap_s"):
         lines.append(f"  {key:<28}{figures[key]:>12.3f}" if isinstance(figures[key], float) else
                      f"  {key:<28}{figures[key]:>12}")
     for t in figures["targets"]:

@@ -1,5 +1,6 @@
 """CI runs the ``raw_ids-smoke`` scenario end to end (tiny model, eager): both archives built,
-served in turn by the real TorchServe, the raw-id model's unseen ids counted against the truth."""
+served in turn by the real TorchServe, the raw-id model's unseen ids counted against the truth,
+slot deltas published under traffic with no torn id/row pair, a slot map swapped in process."""
 
 
 import orjson
@@ -11,7 +12,7 @@ from tests.helpers import run_scenario
 pytestmark = pytest.mark.integration
 
 
-def test_raw_ids_smoke_scenario_runs_and_counts_unseen_ids_exactly(tmp_path):
+def test_raw_ids_smoke_scenario_counts_unseen_ids_exactly_and_sees_no_torn_pair(tmp_path):
     out = tmp_path / "raw_ids"
     run_scenario("raw_ids-smoke", out, timeout_s=600)
     figures = orjson.loads((out / "raw_ids.json").read_bytes())
@@ -20,5 +21,7 @@ def test_raw_ids_smoke_scenario_runs_and_counts_unseen_ids_exactly(tmp_path):
     assert figures["p50_ms_row_ids"] > 0 and figures["p50_ms_raw_ids"] > 0
     assert all(not client["saturated"] for client in figures["clients"].values())
     assert figures["not_measured"] == NOT_MEASURED
-    assert [t["met"] for t in figures["targets"]][1:] == [True, True]  # latency is the full scenario's
+    assert figures["torn_pairs"] == 0 and figures["torn_probe_requests"] > 0
+    assert figures["mch_swap"]["t_user"]["evictions"] == 100 and figures["mch_swap_s"] > 0
+    assert [t["met"] for t in figures["targets"]][1:] == [True, True, True, True]  # latency is the full scenario's
     assert "p50_overhead_pct" in (out / "summary.txt").read_text()

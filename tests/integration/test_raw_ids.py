@@ -20,7 +20,7 @@ from archive_tools.local_server import LocalTorchServe
 from archive_tools.model_config import ServingConfig
 from archive_tools.planning import plan_tables
 from archive_tools.planning.search import Budget
-from benchmarks.raw_ids import raw_traffic, slot_maps
+from benchmarks.raw_ids import raw_traffic, weights_file
 from benchmarks.traffic import TrafficModel
 from handlers.modeling import tbe
 from handlers.modeling.errors import SpecError
@@ -33,6 +33,7 @@ from handlers.runtime.artifacts import Artifact
 from handlers.runtime.errors import BadRequest, InputError
 from handlers.runtime.freshness.dense import dense_slot
 from handlers.runtime.inputs import MCH_FREE_SLOT
+from handlers.runtime.slot_maps import slot_maps_in
 from handlers.runtime.split import SplitPlan
 from handlers.runtime.wire.decoder import RequestDecoder
 from handlers.runtime.wire.messages import BinaryBody, Rejected
@@ -323,7 +324,8 @@ def test_the_benchmarks_raw_traffic_looks_up_the_rows_of_its_row_traffic(trained
     which look up each table's default row."""
     spec, _, _, _ = trained
     with Archive.open(archives["aoti"]) as archive:
-        maps = {t: (ids.clone(), slots.clone()) for t, (ids, slots) in slot_maps(archive.unpacked()).items()}
+        weights = torch.load(weights_file(archive.unpacked()), weights_only=True)
+        maps = slot_maps_in(weights)
     assert set(maps) == set(ROWS)
     rows = TrafficModel(items_per_request=3).generate(spec, 40, seed=4)
     raw, unseen = raw_traffic(rows, spec, maps, unseen_share=0.2, seed=5)

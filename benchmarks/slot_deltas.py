@@ -1,0 +1,136 @@
+"""Slot deltas in the ``raw_ids`` scenarios: how long moving slots between raw ids takes on a
+large table, and whether any served score ever saw an id with another id's row.
+
+* ``swap_figures``: in process, the writer's own steps (``applier.TableWriter``) on the raw-id
+  archive's weights file, for ``evictions`` random slots given to new raw ids (their rows kept):
+  the new slot map rebuilt outside the lock (``stage_s``), then its changed span and the rows
+  copied under the row lock (``lock_ms``, what a forward can wait); ``swap_s`` is both. Checked:
+  the served remap, reading the file through its own mapping, maps each new id to its slot.
+* ``torn_pairs``: through TorchServe, ids A and B swap two slots of one table, each taking its row
+  along, delta after delta (published through the plugin), while one-item requests that look up
+  A alone keep coming: every score must be A's; a score that is not counts as a torn pair.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from archive_tools.delta import served_rows
+from archive_tools.local_server import LocalTorchServe
+from handlers.modeling.raw_ids import SlotRemap
+from handlers.modeling.registry import load_spec
+from handlers.runtime.freshness.applier import RowLock, TableWriter
+from handlers.runtime.freshness.delta_file import DeltaWriter, record_dtype
+from handlers.runtime.freshness.layout import TablesLayout, table_buffers
+from handlers.runtime.slot_maps import owners_of, slot_maps_in
+
+SCORE_TOLERANCE = 1e-6  # one row, the same bytes each time: the score repeats exactly
+
+
+def swap_figures(archive: Path, weights_file: Path, table: str, evictions: int, seed: int, lock_folder: Path) -> dict:
+    """Moves ``evictions`` slots of ``table`` to new raw ids in the archive's own weights file (a
+    scratch archive: it is changed)."""
+    layout = TablesLayout.load(archive)
+    served = layout.table(table)
+    assert served is not None and served.raw_ids, f"{table} is not a raw-id table of {archive}"
+    weights = torch.load(weights_file, mmap=True, weights_only=True)
+    maps = slot_maps_in(weights)
+    writer = TableWriter(weights_file, table_buffers(weights, layout.buffer_constants), layout, maps)
+    rng = np.random.default_rng(seed)
+    records = np.empty(evictions, record_dtype(served.row_bytes, owners=True))
+    records["id"] = np.sort(rng.choice(served.rows - 1, evictions, replace=False))
+    records["owner"] = _new_ids(evictions, maps[table][0].numpy(), rng)
+    records["row"] = writer.rows(table, records["id"])
+    started = time.perf_counter()
+    staged = writer.stage_owners(table, records)
+    staged_at = time.perf_counter()
+    with RowLock(lock_folder).writing():
+        writer.write(table, records, staged)
+    done = time.perf_counter()
+    remap = SlotRemap(served.rows)
+    remap.load(maps[table])  # this process's own mapping of the file
+    slots = remap(torch.from_numpy(records["owner"].copy()))
+    if not np.array_equal(slots.numpy(), records["id"]):
+        raise AssertionError(f"{table}: the new ids do not map to their slots after the swap")
+    return {"slots": served.rows, "evictions": evictions, "stage_s": staged_at - started,
+            "lock_ms": (done - staged_at) * 1e3, "swap_s": done - started}
+
+
+def _new_ids(count: int, owned: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``count`` distinct random int64 ids that own no slot (``owned``: sorted)."""
+    ids = np.unique(rng.integers(-(2**62), 2**62, size=2 * count, dtype=np.int64))
+    found = owned[np.minimum(np.searchsorted(owned, ids), len(owned) - 1)] == ids
+    ids = rng.permutation(ids[~found])
+    if len(ids) < count:
+        raise AssertionError("drew too few new ids")
+    return ids[:count]
+
+
+def torn_pairs(server: LocalTorchServe, model: str, archive: Path, weights_file: Path, table: str, publishes: int) -> dict:
+    """Publishes ``publishes`` deltas that swap two ids' slots (``model`` registered from
+    ``archive``, whose tables ``weights_file`` holds; its log empty) under one-item traffic for
+    one of them."""
+    layout, spec = TablesLayout.load(archive), load_spec(archive / "spec.yaml")
+    served = layout.table(table)
+    assert served is not None
+    feature = next(t.features[0] for t in spec.tables if t.name == table)
+    owners = owners_of(slot_maps_in(torch.load(weights_file, mmap=True, weights_only=True))[table])
+    a, b = int(owners[0]), int(owners[1])
+    rows = {a: served_rows(torch.full((1, served.dim), 0.75), served), b: served_rows(torch.full((1, served.dim), -0.75), served)}
+    folder = server.model_store / "deltas"
+    folder.mkdir(exist_ok=True)
+
+    def publish(sequence: int) -> None:
+        first, second = (a, b) if sequence % 2 else (b, a)
+        name = f"{model}-torn-{sequence}.delta"
+        with DeltaWriter(folder / name, model=model, base=layout.fingerprint, sequence=sequence) as out:
+            out.add(served, np.array([0, 1]), np.concatenate([rows[first], rows[second]]), np.array([first, second]))
+        server.management("POST", f"/freshness/{model}", params={"delta": name}).raise_for_status()
+        _wait_applied(server, model, sequence)
+
+    def request(raw_id: int) -> dict:
+        return {"items": [{"dense": [0.5] * spec.dense_features, "sparse": {feature: [raw_id]}}]}
+
+    def score(raw_id: int) -> float:
+        response = server.predict(model, request(raw_id))
+        response.raise_for_status()
+        return response.json()["scores"][0]
+
+    publish(1)
+    expected, other = score(a), score(b)
+    if abs(expected - other) < 100 * SCORE_TOLERANCE:
+        raise AssertionError(f"A's and B's rows score alike ({expected}, {other}): the probe could not see a torn pair")
+    scores: list[float] = []
+    stop = threading.Event()
+
+    def send() -> None:
+        while not stop.is_set():
+            scores.append(score(a))
+
+    sender = threading.Thread(target=send, name="torn-probe")
+    sender.start()
+    try:
+        for sequence in range(2, publishes + 2):
+            publish(sequence)
+    finally:
+        stop.set()
+        sender.join()
+    torn = sum(abs(s - expected) > SCORE_TOLERANCE for s in scores)
+    return {"torn_pairs": torn, "torn_probe_requests": len(scores), "torn_probe_publishes": publishes,
+            "torn_probe_table": table}
+
+
+def _wait_applied(server: LocalTorchServe, model: str, sequence: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = server.management("GET", f"/freshness/{model}").json()
+        if state["applied_sequence"] >= sequence:
+            return
+        if state.get("error") or time.monotonic() > deadline:
+            raise AssertionError(f"delta {sequence} not applied: {state}")
+        time.sleep(0.02)
