@@ -173,7 +173,8 @@ def _delta(args: argparse.Namespace) -> int:
         differing = verify_delta(args.archive, summary.path, args.checkpoint)
         if differing:
             raise VerificationFailed(f"the archive plus this delta differs from a fresh build in tables {differing}")
-        print("verified: the archive plus this delta holds the rows of a fresh build, byte for byte", file=sys.stderr)
+        print("verified: the archive plus this delta holds the rows (and slot owners) of a fresh build, byte for byte",
+              file=sys.stderr)
     return 0
 
 

@@ -189,9 +189,13 @@ def _base(path: Path) -> Iterator[_Base]:
         if layout is None:
             why = tables_file_name(archive.options)[1] or f"no {TABLES}; rebuild it with this version"
             raise InputError(f"{path}: cannot take deltas: {why}")
+        spec = archive_spec(archive)
+        unmarked = sorted(set(spec.raw_id_tables) - {t.name for t in layout.tables if t.raw_ids})
+        if unmarked:  # built before deltas moved slots: its layout does not say which tables take raw ids
+            raise InputError(f"{path}: its {TABLES} does not mark raw-id tables {unmarked}; rebuild it with this version")
         weights = torch.load(archive.tables_file(), mmap=True, weights_only=True)
         buffers = table_buffers(weights, layout.buffer_constants)
-        yield _Base(archive, archive_spec(archive), layout, buffers, slot_maps_in(weights))
+        yield _Base(archive, spec, layout, buffers, slot_maps_in(weights))
 
 
 # (table, row ids [n], their served bytes [n, row_bytes], a raw-id table's slot owners [n] or None)

@@ -110,23 +110,23 @@ def run_raw_ids(scenario: RawIdsScenario, out_dir: Path) -> dict:
                      "remap_us_per_4k_ids_mch": remap_us(maps[largest], seed=3), "remap_table": largest}
     progress.update()
     progress.set_postfix_str("served, c=1")
-    figures.update(_served(store, spec.name, raw_spec.name, rows, raw, scenario))
-    counted = raw.bodies[: scenario.counted_requests]
-    figures["unseen_true"] = sum(unseen_true[: scenario.counted_requests])
+    counted = len(raw.bodies[: scenario.counted_requests])
+    with LocalTorchServe(model_store=store) as server:
+        figures.update(_served(server, spec.name, raw_spec.name, rows, raw, scenario))
+        progress.update()
+        progress.set_postfix_str("torn-pair probe")
+        server.register(raw_spec.name, initial_workers=1).raise_for_status()
+        figures.update(torn_pairs(server, raw_spec.name, store / raw_spec.name, weights[raw_spec.name],
+                                  scenario.probe_table, scenario.probe_publishes))
+    progress.update()
+    figures["unseen_true"] = sum(unseen_true[:counted])
+    figures["counted_requests"] = counted
     slots = sum(t.rows for t in spec.tables)
     figures["extra_bytes_per_row"] = sum(ids.nbytes + owner.nbytes for ids, owner in maps.values()) / slots
     figures["extra_file_bytes"] = weights[raw_spec.name].stat().st_size - weights[spec.name].stat().st_size
     if scenario.artifact == "aoti":
         packages = [(store / name / "model_aoti.pt2").stat().st_size for name in (raw_spec.name, spec.name)]
         figures["extra_package_bytes"] = packages[0] - packages[1]
-    figures["counted_requests"] = len(counted)
-    progress.update()
-    progress.set_postfix_str("torn-pair probe")
-    with LocalTorchServe(model_store=store) as server:
-        server.register(raw_spec.name, initial_workers=1).raise_for_status()
-        figures.update(torn_pairs(server, raw_spec.name, store / raw_spec.name, weights[raw_spec.name],
-                                  scenario.probe_table, scenario.probe_publishes))
-    progress.update()
     progress.set_postfix_str("slot map swaps")  # last: they change the archive's weights file
     figures["mch_swap"] = {
         table: swap_figures(store / raw_spec.name, weights[raw_spec.name], table, scenario.swap_evictions, seed=4,
@@ -223,28 +223,29 @@ def remap_us(slot_map: tuple[torch.Tensor, torch.Tensor], seed: int, ids: int = 
     return statistics.median(times) * 1e6
 
 
-def _served(store: Path, row_model: str, raw_model: str, rows: Traffic, raw: Traffic, scenario: RawIdsScenario) -> dict:
+def _served(
+    server: LocalTorchServe, row_model: str, raw_model: str, rows: Traffic, raw: Traffic, scenario: RawIdsScenario
+) -> dict:
     """c=1 p50 of each model served alone (registered, measured, unregistered, in turn), and the
     unseen ids the raw-id model published over requests sent once each."""
     p50s: dict[str, list[float]] = {row_model: [], raw_model: []}
     clients: dict[str, dict] = {}
     unseen_counted = 0
-    with LocalTorchServe(model_store=store) as server:
-        auth = server.auth("inference")
-        for round_ in range(scenario.rounds):
-            for model, traffic in ((row_model, rows), (raw_model, raw)):
-                server.register(model, batch_size=1, initial_workers=1).raise_for_status()
-                url = f"{server.inference_url}/predictions/{model}"
-                run_wrk(url, auth, traffic, 1, scenario.seconds)  # warm-up: the tables' pages mapped in
-                result = run_wrk(url, auth, traffic, 1, scenario.seconds)
-                p50s[model].append(result.latency_ms["p50"])
-                clients[f"{model}_c1_round{round_}"] = result.client_summary()
-                if model == raw_model and round_ == 0:
-                    before = _unseen_published(server, model)
-                    for body in raw.bodies[: scenario.counted_requests]:
-                        server.predict(model, body).raise_for_status()
-                    unseen_counted = _unseen_published(server, model) - before
-                server.management("DELETE", f"/models/{model}").raise_for_status()
+    auth = server.auth("inference")
+    for round_ in range(scenario.rounds):
+        for model, traffic in ((row_model, rows), (raw_model, raw)):
+            server.register(model, batch_size=1, initial_workers=1).raise_for_status()
+            url = f"{server.inference_url}/predictions/{model}"
+            run_wrk(url, auth, traffic, 1, scenario.seconds)  # warm-up: the tables' pages mapped in
+            result = run_wrk(url, auth, traffic, 1, scenario.seconds)
+            p50s[model].append(result.latency_ms["p50"])
+            clients[f"{model}_c1_round{round_}"] = result.client_summary()
+            if model == raw_model and round_ == 0:
+                before = _unseen_published(server, model)
+                for body in raw.bodies[: scenario.counted_requests]:
+                    server.predict(model, body).raise_for_status()
+                unseen_counted = _unseen_published(server, model) - before
+            server.management("DELETE", f"/models/{model}").raise_for_status()
     row_p50, raw_p50 = statistics.median(p50s[row_model]), statistics.median(p50s[raw_model])
     return {
         "p50_ms_row_ids": row_p50,

@@ -37,6 +37,7 @@ from handlers.modeling.embedding_modules import (
 from handlers.modeling.errors import CheckpointError
 from handlers.modeling.registry import architecture_of, check_forward
 from handlers.modeling.sharding import shard
+from handlers.modeling.remap_spec import Unseen
 from handlers.modeling.spec import ModelSpec, WeightDtype
 from handlers.modeling.weights import (
     InferenceWeights,
@@ -133,7 +134,13 @@ class DLRMFactory:
             ):
                 fill_random_table(values, scale_bias, sparse_type, generator)
         maps = {t.name: raw_ids.random_slot_map(t.rows, generator) for t in self.spec.tables if t.remap}
-        return InferenceWeights(_table_views(model), self.random_dense(seed), buffers, maps)
+        tables = _table_views(model)
+        for table in self.spec.tables:
+            if table.remap is not None and table.remap.unseen == Unseen.ZERO:  # a zero row: scale and bias 0
+                for part in tables[table.name]:
+                    if part is not None:
+                        part[-1].zero_()
+        return InferenceWeights(tables, self.random_dense(seed), buffers, maps)
 
     def random_dense(self, seed: int) -> dict[str, torch.Tensor]:
         """The dense layers' own init from ``seed``, as float weights; no table is allocated."""

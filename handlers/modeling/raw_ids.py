@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from handlers.modeling.remap_spec import MchEviction
+from handlers.modeling.remap_spec import MchEviction, Unseen
 from handlers.modeling.spec import TableSpec
 from handlers.modeling.tbe import managed_collision_parts, mch_slot_owners
 from handlers.runtime.inputs import MCH_FREE_SLOT
@@ -46,7 +46,9 @@ class ManagedBags(nn.Module):
     """The float, trainable collection of raw-id tables: TorchRec's managed-collision EBC (one MCH
     module per table), answering a ``KeyedTensor`` as an ``EmbeddingBagCollection`` does. Its
     state-dict names are those of TorchRec's ``McEmbeddingBagCollectionAdapter``, so a model
-    trained with that adapter loads as it is."""
+    trained with that adapter loads as it is. A table with ``unseen: zero`` has its default row
+    (the last slot, where MCH maps unseen ids) held at zero: zeroed on load and before each
+    forward, so training never moves it and a quantized copy is exactly zero."""
 
     def __init__(self, ebc: EmbeddingBagCollection, tables: Sequence[TableSpec], device: torch.device) -> None:
         super().__init__()
@@ -63,6 +65,10 @@ class ManagedBags(nn.Module):
         self.mc_embedding_bag_collection = ManagedCollisionEmbeddingBagCollection(
             ebc, ManagedCollisionCollection(remaps, configs), return_remapped_features=False
         )
+        self._zero_unseen = [t.name for t in tables if t.remap.unseen == Unseen.ZERO]
+        if self._zero_unseen:
+            self.register_load_state_dict_post_hook(lambda module, _: module.zero_unseen_rows())
+            self.zero_unseen_rows()
 
     @property
     def bags(self) -> EmbeddingBagCollection:
@@ -76,7 +82,17 @@ class ManagedBags(nn.Module):
         _, remaps = managed_collision_parts(self.mc_embedding_bag_collection)
         return {name: mch_slot_owners(module) for name, module in remaps.items()}
 
+    def zero_unseen_rows(self) -> None:
+        """The default rows of ``unseen: zero`` tables, zeroed."""
+        with torch.no_grad():
+            for name in self._zero_unseen:
+                weight = self.bags.embedding_bags[name].weight
+                if weight.device.type != "meta":
+                    weight[-1].zero_()
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if self._zero_unseen:
+            self.zero_unseen_rows()
         pooled, _ = self.mc_embedding_bag_collection(features)
         return pooled
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +214,45 @@ def test_unseen_ids_are_counted_on_after_a_dense_swap(trained, archives):
         assert service.handle(request).stats.unseen_ids == counted, kind
 
 
+def test_unseen_zero_looks_up_a_zero_row(trained, archives, tmp_path):
+    """``unseen: zero`` on t_user (sum pooling): its default row is zero in the float model once
+    a checkpoint trained without it is loaded, stays zero through training, and is zero in the
+    served table, so an item whose user_id bag holds unseen ids scores as with an empty bag (the
+    default_row archive scores it otherwise)."""
+    spec, _, model, checkpoint = trained
+    tables = [t.model_dump(mode="json") for t in spec.tables]
+    tables[0]["remap"]["unseen"] = "zero"
+    zero = spec.replace(name="tiny_raw_zero", tables=tables)
+    zero.to_yaml(tmp_path / "zero.yaml")
+    factory = DLRMFactory(zero)
+    float_zero = factory.float_model(seed=0)
+    factory.load_checkpoint(float_zero, torch.load(checkpoint, weights_only=True))
+    default_rows = {m: tbe_weight(m, "t_user")[-1] for m in (model, float_zero)}
+    assert default_rows[float_zero].eq(0).all() and default_rows[model].ne(0).any()
+    _train(float_zero, zero, _owned(model)["t_user"], torch.Generator().manual_seed(3), steps=2)
+    assert tbe_weight(float_zero, "t_user")[-1].eq(0).all()
+    archive = build_archive(tmp_path / "zero.yaml", checkpoint=checkpoint, seed=0, name="tiny_raw_zero", version="1.0",
+                            model_store=tmp_path, serving=ServingConfig(batch_size=8), artifact=Artifact.EAGER)
+    unseen = torch.randint(-(2**63), MCH_FREE_SLOT, (3,), generator=torch.Generator().manual_seed(4)).tolist()
+    assert not np.isin(unseen, _owned(model)["t_user"].numpy()).any()
+    with_unseen, empty = _request(spec, model, 31, items=2), _request(spec, model, 31, items=2)
+    with_unseen["items"][0]["sparse"]["user_id"], empty["items"][0]["sparse"]["user_id"] = unseen, []
+
+    def first_score(service, request: dict) -> float:
+        return orjson.loads(service.handle([orjson.dumps(request)]).responses[0].body)["scores"][0]
+
+    served_zero, served_default = archive_service(archive), archive_service(archives["eager"])
+    assert first_score(served_zero, with_unseen) == pytest.approx(first_score(served_zero, empty), abs=1e-6)
+    assert first_score(served_default, with_unseen) != pytest.approx(first_score(served_default, empty), abs=1e-4)
+    factory.load_checkpoint(float_zero, torch.load(checkpoint, weights_only=True))  # the trained model, held at zero
+    assert first_score(served_zero, with_unseen) == pytest.approx(
+        float(float_scores(float_zero, zero, with_unseen)[0]), abs=QUANTIZATION_TOLERANCE)
+
+
+def tbe_weight(model, table: str) -> torch.Tensor:
+    return model.sparse_arch.embedding_bag_collection.bags.embedding_bags[table].weight
+
+
 def test_raw_ids_arrive_exactly_and_the_free_slot_marker_is_refused(trained):
     spec, _, model, _ = trained
     decoder = RequestDecoder(input_schema(spec))
@@ -269,8 +309,8 @@ def _published(text: str, model: str) -> dict[tuple[str, str], float]:
 
 
 def test_what_raw_id_tables_do_not_do_yet_is_refused_naming_why(trained, tiny_spec, archives, tmp_path):
-    """A collection mixing raw and index tables, a rows file for a raw-id table, planning a raw-id
-    spec; and a slot map of the wrong size, or none, for a served table."""
+    """A collection mixing raw and index tables, a rows file for a raw-id table, a delta of an
+    archive built before raw-id deltas, planning a raw-id spec; and a slot map of the wrong size, or none, for a served table."""
     spec, spec_path, model, checkpoint = trained
     mixed = spec.replace(tables=[spec.tables[0], *tiny_spec.tables[1:]])
     with pytest.raises(SpecError, match=r"\['t_user'\] \(ids raw\) and .* \(ids index\)"):
@@ -278,6 +318,15 @@ def test_what_raw_id_tables_do_not_do_yet_is_refused_naming_why(trained, tiny_sp
     torch.save({"t_user": {"ids": torch.tensor([4]), "rows": torch.zeros(1, spec.tables[0].dim)}}, tmp_path / "rows.pt")
     with pytest.raises(InputError, match="table t_user takes raw ids: its rows move between ids"):
         make_delta(archives["eager"], DeltaSource(rows=tmp_path / "rows.pt"), tmp_path / "unused.delta", sequence=1)
+    old = tmp_path / "built_before"  # an archive whose tables.json predates raw-id deltas
+    with zipfile.ZipFile(archives["eager"]) as packed:
+        packed.extractall(old)
+    layout = json.loads((old / "tables.json").read_text())
+    for table in layout["tables"]:
+        del table["raw_ids"]
+    (old / "tables.json").write_text(json.dumps(layout))
+    with pytest.raises(InputError, match=r"does not mark raw-id tables \['t_category', 't_hour', 't_item', 't_user'\]"):
+        make_delta(old, DeltaSource(checkpoint=checkpoint), tmp_path / "unused.delta", sequence=1)
     with pytest.raises(SpecError, match=r"take raw ids \(ids: raw\): the planner"):
         plan_tables(spec_path, tmp_path / "unread.jsonl", Budget(0.001, 0.002), tmp_path / "plan")
     served = DLRMFactory(spec).inference_model(DLRMFactory(spec).quantize(model)).sparse_arch.embedding_bag_collection
