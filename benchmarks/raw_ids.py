@@ -129,8 +129,7 @@ def run_raw_ids(scenario: RawIdsScenario, out_dir: Path) -> dict:
         figures["extra_package_bytes"] = packages[0] - packages[1]
     progress.set_postfix_str("slot map swaps")  # last: they change the archive's weights file
     figures["mch_swap"] = {
-        table: swap_figures(store / raw_spec.name, weights[raw_spec.name], table, scenario.swap_evictions, seed=4,
-                            lock_folder=out_dir)
+        table: swap_figures(store / raw_spec.name, weights[raw_spec.name], table, scenario.swap_evictions, seed=4)
         for table in scenario.swap_tables
     }
     figures["mch_swap_s"] = figures["mch_swap"][scenario.swap_tables[0]]["swap_s"]

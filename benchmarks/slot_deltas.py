@@ -13,6 +13,7 @@ large table, and whether any served score ever saw an id with another id's row.
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -27,12 +28,13 @@ from handlers.modeling.registry import load_spec
 from handlers.runtime.freshness.applier import RowLock, TableWriter
 from handlers.runtime.freshness.delta_file import DeltaWriter, record_dtype
 from handlers.runtime.freshness.layout import TablesLayout, table_buffers
+from handlers.runtime.freshness.slot_writes import stage
 from handlers.runtime.slot_maps import owners_of, slot_maps_in
 
 SCORE_TOLERANCE = 1e-6  # one row, the same bytes each time: the score repeats exactly
 
 
-def swap_figures(archive: Path, weights_file: Path, table: str, evictions: int, seed: int, lock_folder: Path) -> dict:
+def swap_figures(archive: Path, weights_file: Path, table: str, evictions: int, seed: int) -> dict:
     """Moves ``evictions`` slots of ``table`` to new raw ids in the archive's own weights file (a
     scratch archive: it is changed)."""
     layout = TablesLayout.load(archive)
@@ -47,11 +49,11 @@ def swap_figures(archive: Path, weights_file: Path, table: str, evictions: int, 
     records["owner"] = _new_ids(evictions, maps[table][0].numpy(), rng)
     records["row"] = writer.rows(table, records["id"])
     started = time.perf_counter()
-    staged = writer.stage_owners(table, records)
+    staged = stage(writer, table, records, key="swap")
     staged_at = time.perf_counter()
-    with RowLock(lock_folder).writing():
+    with tempfile.TemporaryDirectory(prefix="swap-lock-") as folder, RowLock(Path(folder)).writing():
         writer.write(table, records, staged)
-    done = time.perf_counter()
+        done = time.perf_counter()
     remap = SlotRemap(served.rows)
     remap.load(maps[table])  # this process's own mapping of the file
     slots = remap(torch.from_numpy(records["owner"].copy()))

@@ -36,8 +36,8 @@ from handlers.modeling.embedding_modules import (
 )
 from handlers.modeling.errors import CheckpointError
 from handlers.modeling.registry import architecture_of, check_forward
-from handlers.modeling.sharding import shard
 from handlers.modeling.remap_spec import Unseen
+from handlers.modeling.sharding import shard
 from handlers.modeling.spec import ModelSpec, WeightDtype
 from handlers.modeling.weights import (
     InferenceWeights,

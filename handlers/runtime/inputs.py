@@ -26,8 +26,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import re
 import enum
+import re
 from pathlib import Path
 from typing import Any, Union
 

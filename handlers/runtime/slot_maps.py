@@ -7,7 +7,7 @@ Its slot map is the owners sorted (free slots last) and the slot of each:
     owners = torch.tensor([30, FREE, -7, 12])
     sorted_ids, slots = slot_map(owners)       # [-7, 12, 30, FREE], [2, 3, 0, 1]
     owners_of((sorted_ids, slots))             # owners again
-    with_owners((sorted_ids, slots), torch.tensor([0]), torch.tensor([99]))   # slot 0 now 99's
+    with_owners(owners_of((sorted_ids, slots)), torch.tensor([0]), torch.tensor([99]))   # slot 0: 99's
 
 Served weights files hold a map's two tensors under ``slot_maps.<table>.sorted_ids`` / ``.slots``
 (``weights.pt``) or as a compiled graph's constants ``<module path>.raw_id_remaps.<table>.*``.
@@ -43,10 +43,11 @@ def owners_of(slot_map: SlotMap) -> torch.Tensor:
     return owners
 
 
-def with_owners(current: SlotMap, slots: torch.Tensor, owners: torch.Tensor) -> SlotMap:
-    """The slot map after ``slots`` (int64 [n]) change owner to ``owners`` (int64 [n];
-    ``MCH_FREE_SLOT``: freed). Raises ``ValueError`` when an id would own two slots."""
-    new = owners_of(current)
+def with_owners(owners_now: torch.Tensor, slots: torch.Tensor, owners: torch.Tensor) -> SlotMap:
+    """The slot map after ``slots`` (int64 [n]) of a table whose slot owners are ``owners_now``
+    (int64 [rows]; changed in place) change owner to ``owners`` (int64 [n]; ``MCH_FREE_SLOT``:
+    freed). Raises ``ValueError`` when an id would own two slots."""
+    new = owners_now
     new[slots] = owners
     sorted_ids, order = slot_map(new)
     twice = torch.nonzero((sorted_ids[1:] == sorted_ids[:-1]) & (sorted_ids[1:] != MCH_FREE_SLOT)).flatten()

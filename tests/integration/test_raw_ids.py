@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import time
 import zipfile
-from pathlib import Path
 
 import numpy as np
 import orjson
@@ -28,124 +27,32 @@ from handlers.modeling.errors import SpecError
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.raw_ids import RawIdBags, SlotRemap
 from handlers.modeling.registry import input_schema
-from handlers.modeling.spec import ModelSpec
 from handlers.runtime.archive import Archive
+from handlers.runtime.archive_files import LOG_POINTER
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.errors import BadRequest, InputError
 from handlers.runtime.freshness.dense import dense_slot
+from handlers.runtime.freshness.worker import WorkerFreshness
 from handlers.runtime.inputs import MCH_FREE_SLOT
 from handlers.runtime.slot_maps import slot_maps_in
-from handlers.runtime.split import SplitPlan
 from handlers.runtime.wire.decoder import RequestDecoder
 from handlers.runtime.wire.messages import BinaryBody, Rejected
 from handlers.runtime.wire.v2_tensors import encode_request
 from tests.helpers import QUANTIZATION_TOLERANCE, archive_service, float_scores, items_request
+from tests.integration.raw_id_models import (
+    EXTREMES,
+    ROWS,
+    owned_ids,
+    raw_request,
+    slot_owners,
+    tbe_weight,
+    train,
+)
 
-from torchrec import KeyedJaggedTensor  # isort: skip
 from torchrec.modules.mc_adapter import McEmbeddingBagCollectionAdapter  # isort: skip
 from torchrec.sparse.jagged_tensor import JaggedTensor  # isort: skip
 
 pytestmark = pytest.mark.integration
-
-EVICTIONS = {"t_user": "lfu", "t_item": "lru", "t_category": "distance_lfu", "t_hour": "lfu"}
-# t_hour's slot map is small enough (<= 8) that Inductor would compile it into code as a literal
-ROWS = {"t_user": 300, "t_item": 200, "t_category": 40, "t_hour": 6}
-VOCABULARY = 4000  # raw ids the training draws from (Zipf): more than any table has slots
-EXTREMES = [MCH_FREE_SLOT - 1, -(2**63), 2**53 + 1, -(2**53) - 1, 0]  # each must arrive exactly
-
-
-def raw_spec(tiny_spec: ModelSpec) -> ModelSpec:
-    """tiny with every table's ids raw, one MCH eviction policy or another."""
-    tables = [
-        {**t.model_dump(mode="json"), "rows": ROWS[t.name], "ids": "raw",
-         "remap": {"kind": "mch", "eviction": EVICTIONS[t.name], "eviction_interval": 2}}
-        for t in tiny_spec.tables
-    ]
-    return tiny_spec.replace(name="tiny_raw", tables=tables)
-
-
-def _zipf_batch(spec: ModelSpec, vocabulary: torch.Tensor, generator: torch.Generator, n: int = 64):
-    features = len(spec.feature_names)
-    lengths = torch.randint(0, 4, (features * n,), generator=generator)
-    ranks = torch.distributions.Pareto(1.0, 0.6).sample((int(lengths.sum()),)).long() - 1  # Zipf-like, long-tailed
-    values = vocabulary[ranks.clamp_max(len(vocabulary) - 1)]
-    ids = KeyedJaggedTensor(keys=list(spec.feature_names), values=values, lengths=lengths)
-    return torch.randn(n, spec.dense_features, generator=generator), ids
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_spec, tmp_path_factory):
-    """(spec, its YAML, the trained float model in eval, its checkpoint): 30 SGD steps, MCH
-    assigning slots to raw ids and evicting them as it goes."""
-    folder = tmp_path_factory.mktemp("raw")
-    spec = raw_spec(tiny_spec)
-    spec.to_yaml(folder / "tiny_raw.yaml")
-    torch.manual_seed(0)
-    generator = torch.Generator().manual_seed(0)
-    vocabulary = torch.randint(-(2**63), MCH_FREE_SLOT, (VOCABULARY,), generator=generator)
-    model = DLRMFactory(spec).float_model(seed=0)
-    _train(model, spec, vocabulary, generator, steps=30)
-    torch.save(model.state_dict(), folder / "checkpoint.pt")
-    return spec, folder / "tiny_raw.yaml", model, folder / "checkpoint.pt"
-
-
-def _train(model, spec: ModelSpec, vocabulary: torch.Tensor, generator: torch.Generator, steps: int) -> None:
-    model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        dense, ids = _zipf_batch(spec, vocabulary, generator)
-        clicks = (dense[:, 0] > 0).float()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, ids).reshape(-1), clicks)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
-
-
-@pytest.fixture(scope="module")
-def trained_on(trained):
-    """(the model trained 20 steps more, on a vocabulary whose most frequent half is new: MCH
-    evicts ids and gives their slots to new ones; its checkpoint)."""
-    spec, _, model, checkpoint = trained
-    later = DLRMFactory(spec).float_model(seed=0)
-    later.load_state_dict(torch.load(checkpoint, weights_only=True))
-    generator = torch.Generator().manual_seed(2)
-    fresh = torch.randint(-(2**63), MCH_FREE_SLOT, (VOCABULARY // 2,), generator=generator)
-    old = torch.randint(-(2**63), MCH_FREE_SLOT, (VOCABULARY,), generator=torch.Generator().manual_seed(0))
-    _train(later, spec, torch.cat([fresh, old[: VOCABULARY // 2]]), generator, steps=20)
-    torch.save(later.state_dict(), checkpoint.with_name("checkpoint-2.pt"))
-    return later, checkpoint.with_name("checkpoint-2.pt")
-
-
-@pytest.fixture(scope="module")
-def archives(trained, tmp_path_factory) -> dict[str, Path]:
-    _, spec_path, _, checkpoint = trained
-    store = tmp_path_factory.mktemp("raw_store")
-    kinds = {"eager": (Artifact.EAGER, None), "exported": (Artifact.EXPORTED, None), "aoti": (Artifact.AOTI, None),
-             "split": (Artifact.SPLIT, SplitPlan(sparse=Artifact.EXPORTED, dense=Artifact.EXPORTED))}
-    return {
-        kind: build_archive(
-            spec_path, checkpoint=checkpoint, seed=0, name=f"tiny_raw_{kind}", version="1.0", model_store=store,
-            serving=ServingConfig(batch_size=8, max_batch_delay_ms=20), artifact=artifact, split=split,
-        )
-        for kind, (artifact, split) in kinds.items()
-    }
-
-
-def _owners(model) -> dict[str, torch.Tensor]:
-    return model.sparse_arch.embedding_bag_collection.slot_owners()
-
-
-def _owned(model) -> dict[str, torch.Tensor]:
-    return {name: ids[ids != MCH_FREE_SLOT] for name, ids in _owners(model).items()}
-
-
-def _request(spec: ModelSpec, model, seed: int, items: int = 12) -> dict:
-    """Items whose bags mix ids the model owns slots for, unseen ids, and ``EXTREMES``."""
-    request = items_request(spec, items, seed=seed, max_bag=4, owned_ids=_owners(model))
-    request["items"][0]["sparse"]["user_id"] = EXTREMES
-    return request
-
 
 def test_the_remap_is_torchrecs_eval_remap_on_a_million_ids(trained):
     """The served model's slot of every id equals TorchRec's MCH module's in eval, for ids it
@@ -158,7 +65,7 @@ def test_the_remap_is_torchrecs_eval_remap_on_a_million_ids(trained):
     _, mch_modules = tbe.managed_collision_parts(model.sparse_arch.embedding_bag_collection.mc_embedding_bag_collection)
     generator = torch.Generator().manual_seed(1)
     unseen_shares = {}
-    for name, owned in _owned(model).items():
+    for name, owned in owned_ids(model).items():
         assert len(owned) > ROWS[name] // 2, f"{name}: training gave few slots an owner"
         seen = owned[torch.randint(0, len(owned), (500_000,), generator=generator)]
         anywhere = torch.randint(-(2**63), MCH_FREE_SLOT, (500_000,), generator=generator)
@@ -177,7 +84,7 @@ def test_served_scores_are_the_trained_models_within_quantization(trained, archi
     spec, _, model, _ = trained
     service = archive_service(archives["eager"])
     for seed in range(3):
-        request = _request(spec, model, seed)
+        request = raw_request(spec, model, seed)
         body = orjson.loads(service.handle([orjson.dumps(request)]).responses[0].body)
         torch.testing.assert_close(
             torch.tensor(body["scores"]), float_scores(model, spec, request), atol=QUANTIZATION_TOLERANCE, rtol=0
@@ -187,7 +94,7 @@ def test_served_scores_are_the_trained_models_within_quantization(trained, archi
 def test_every_artifact_kind_remaps_and_counts_unseen_ids_as_eager(trained, archives):
     spec, _, model, _ = trained
     services = {kind: archive_service(path) for kind, path in archives.items()}
-    requests = [orjson.dumps(_request(spec, model, seed, items)) for seed, items in ((5, 1), (6, 9), (7, 40))]
+    requests = [orjson.dumps(raw_request(spec, model, seed, items)) for seed, items in ((5, 1), (6, 9), (7, 40))]
     eager = services.pop("eager").handle(requests)
     expected = [orjson.loads(r.body)["scores"] for r in eager.responses]
     assert all(eager.stats.unseen_ids.values()) and eager.stats.raw_ids.keys() == set(ROWS)
@@ -196,7 +103,7 @@ def test_every_artifact_kind_remaps_and_counts_unseen_ids_as_eager(trained, arch
         for got, want in zip(handled.responses, expected):
             assert orjson.loads(got.body)["scores"] == pytest.approx(want, abs=1e-6), kind
         assert (handled.stats.unseen_ids, handled.stats.raw_ids) == (eager.stats.unseen_ids, eager.stats.raw_ids), kind
-        empty = _request(spec, model, 8, items=2)
+        empty = raw_request(spec, model, 8, items=2)
         for item in empty["items"]:
             item["sparse"] = {}  # no id at all: the service pads the forward with one, not counted
         assert set(service.handle([orjson.dumps(empty)]).stats.raw_ids.values()) == {0}, kind
@@ -205,7 +112,7 @@ def test_every_artifact_kind_remaps_and_counts_unseen_ids_as_eager(trained, arch
 def test_unseen_ids_are_counted_on_after_a_dense_swap(trained, archives):
     """A swap of the dense weights (a delta's dense section) keeps the model's raw-id counters."""
     spec, _, model, _ = trained
-    request = [orjson.dumps(_request(spec, model, 13))]
+    request = [orjson.dumps(raw_request(spec, model, 13))]
     for kind in ("eager", "aoti"):
         service = archive_service(archives[kind])
         counted = service.handle(request).stats.unseen_ids
@@ -229,13 +136,13 @@ def test_unseen_zero_looks_up_a_zero_row(trained, archives, tmp_path):
     factory.load_checkpoint(float_zero, torch.load(checkpoint, weights_only=True))
     default_rows = {m: tbe_weight(m, "t_user")[-1] for m in (model, float_zero)}
     assert default_rows[float_zero].eq(0).all() and default_rows[model].ne(0).any()
-    _train(float_zero, zero, _owned(model)["t_user"], torch.Generator().manual_seed(3), steps=2)
+    train(float_zero, zero, owned_ids(model)["t_user"], torch.Generator().manual_seed(3), steps=2)
     assert tbe_weight(float_zero, "t_user")[-1].eq(0).all()
     archive = build_archive(tmp_path / "zero.yaml", checkpoint=checkpoint, seed=0, name="tiny_raw_zero", version="1.0",
                             model_store=tmp_path, serving=ServingConfig(batch_size=8), artifact=Artifact.EAGER)
     unseen = torch.randint(-(2**63), MCH_FREE_SLOT, (3,), generator=torch.Generator().manual_seed(4)).tolist()
-    assert not np.isin(unseen, _owned(model)["t_user"].numpy()).any()
-    with_unseen, empty = _request(spec, model, 31, items=2), _request(spec, model, 31, items=2)
+    assert not np.isin(unseen, owned_ids(model)["t_user"].numpy()).any()
+    with_unseen, empty = raw_request(spec, model, 31, items=2), raw_request(spec, model, 31, items=2)
     with_unseen["items"][0]["sparse"]["user_id"], empty["items"][0]["sparse"]["user_id"] = unseen, []
 
     def first_score(service, request: dict) -> float:
@@ -249,14 +156,10 @@ def test_unseen_zero_looks_up_a_zero_row(trained, archives, tmp_path):
         float(float_scores(float_zero, zero, with_unseen)[0]), abs=QUANTIZATION_TOLERANCE)
 
 
-def tbe_weight(model, table: str) -> torch.Tensor:
-    return model.sparse_arch.embedding_bag_collection.bags.embedding_bags[table].weight
-
-
 def test_raw_ids_arrive_exactly_and_the_free_slot_marker_is_refused(trained):
     spec, _, model, _ = trained
     decoder = RequestDecoder(input_schema(spec))
-    request = _request(spec, model, 9, items=1)
+    request = raw_request(spec, model, 9, items=1)
     ids = decoder.decode(orjson.dumps(request)).inputs.tensors["sparse_features"]
     user_ids = dict(zip(spec.feature_names, ids.per_feature()))["user_id"]
     assert user_ids.tolist() == EXTREMES  # no float round trip: 2^63-2 and 2^53+1 kept
@@ -275,12 +178,12 @@ def test_served_by_torchserve_counting_unseen_ids_exactly_and_refusing_a_reserve
     metrics the dashboard's raw-id panel divides."""
     spec, _, model, _ = trained
     reference = archive_service(archives["eager"])
-    owned, table_of = _owned(model), {f: t.name for t in spec.tables for f in t.features}
+    owned, table_of = owned_ids(model), {f: t.name for t in spec.tables for f in t.features}
     unseen, looked_up = dict.fromkeys(owned, 0), dict.fromkeys(owned, 0)
     with LocalTorchServe(model_store=archives["aoti"].parent) as server:
         assert server.register(archives["aoti"].name, initial_workers=1).status_code == 200
         for seed in (11, 12):
-            request = _request(spec, model, seed)
+            request = raw_request(spec, model, seed)
             response = server.predict("tiny_raw_aoti", request)
             assert response.status_code == 200, response.text
             expected = orjson.loads(reference.handle([orjson.dumps(request)]).responses[0].body)["scores"]
@@ -327,10 +230,12 @@ def test_what_raw_id_tables_do_not_do_yet_is_refused_naming_why(trained, tiny_sp
     (old / "tables.json").write_text(json.dumps(layout))
     with pytest.raises(InputError, match=r"does not mark raw-id tables \['t_category', 't_hour', 't_item', 't_user'\]"):
         make_delta(old, DeltaSource(checkpoint=checkpoint), tmp_path / "unused.delta", sequence=1)
+    (old / LOG_POINTER).write_text("{}")  # registered through the plugin: a server refuses its deltas too
+    assert "predates raw-id deltas" in WorkerFreshness.open(old, Archive(old).options)  # type: ignore[operator]
     with pytest.raises(SpecError, match=r"take raw ids \(ids: raw\): the planner"):
         plan_tables(spec_path, tmp_path / "unread.jsonl", Budget(0.001, 0.002), tmp_path / "plan")
     served = DLRMFactory(spec).inference_model(DLRMFactory(spec).quantize(model)).sparse_arch.embedding_bag_collection
-    ids, slots = _owners(model)["t_hour"].sort()
+    ids, slots = slot_owners(model)["t_hour"].sort()
     with pytest.raises(ValueError, match=r"a slot map's sorted_ids must be int64 \[6\], got torch.int64 \[5\]"):
         served.raw_id_remaps["t_hour"].load((ids[:5], slots[:5]))
     with pytest.raises(ValueError, match=r"raw-id tables \['t_item', 't_user'\] come without their slot maps"):
@@ -340,8 +245,8 @@ def test_what_raw_id_tables_do_not_do_yet_is_refused_naming_why(trained, tiny_sp
 def test_generated_requests_draw_owned_ids_mostly_and_unseen_ones_across_int64(trained):
     """What the build verifies on when no validation file is given."""
     spec, _, model, _ = trained
-    owned = _owned(model)["t_user"].numpy()
-    requests = [items_request(spec, 8, seed=s, owned_ids=_owners(model)) for s in range(20)]
+    owned = owned_ids(model)["t_user"].numpy()
+    requests = [items_request(spec, 8, seed=s, owned_ids=slot_owners(model)) for s in range(20)]
     ids = np.array([i for r in requests for item in r["items"] for i in item["sparse"]["user_id"]])
     seen = np.isin(ids, owned)
     assert 0.6 < seen.mean() < 0.9, seen.mean()
@@ -437,14 +342,14 @@ def test_a_slot_delta_serves_what_a_fresh_build_of_the_later_checkpoint_serves(t
     (store / "deltas").mkdir(exist_ok=True)  # where the plugin reads published deltas from
     fresh = build_archive(spec_path, checkpoint=checkpoint, seed=0, name="tiny_raw_fresh", version="1.0",
                           model_store=tmp_path, serving=ServingConfig(batch_size=8), artifact=Artifact.EAGER)
-    moved = {t: int((_owners(later)[t] != _owners(model)[t]).sum()) for t in ROWS}
+    moved = {t: int((slot_owners(later)[t] != slot_owners(model)[t]).sum()) for t in ROWS}
     assert all(moved[t] > 0 for t in ("t_user", "t_item", "t_category")), moved  # evictions and insertions
     for kind in ("aoti", "eager"):
         path = store / "deltas" / f"slots-{kind}.delta"
         delta = make_delta(archives[kind], DeltaSource(checkpoint=checkpoint, dense=checkpoint), path, sequence=1)
         assert verify_delta(archives[kind], path, checkpoint) == []
         assert all(delta.rows_by_table[t] >= moved[t] for t in moved), (delta.rows_by_table, moved)
-    requests = [_request(spec, later, seed) for seed in (21, 22)] + [_request(spec, model, 23)]
+    requests = [raw_request(spec, later, seed) for seed in (21, 22)] + [raw_request(spec, model, 23)]
     base, expected = archive_service(archives["eager"]), archive_service(fresh)
 
     def scores(service) -> list[float]:

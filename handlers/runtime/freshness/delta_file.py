@@ -8,10 +8,6 @@ little-endian) and the magic ``TRSDELT1``::
 
     [table 0: count x (id int64 LE, row row_bytes)] [table 1] ... [dense tensors] [header] [u64] [magic]
 
-A raw-id table's records (``"owners": true`` in its section) name each slot's owner too,
-``(id int64, owner int64, row)``: the raw id that owns the slot from this delta on
-(``MCH_FREE_SLOT``: none), applied with the row (``applier``), so an id never meets another id's row.
-
     {"format": 1, "model": "criteo", "base": "<fingerprint of the archive's weights>",
      "sequence": 3, "created_at": "2026-11-23T07:00:00+00:00",
      "tables": [{"name": "cat_0", "dtype": "int8", "dim": 64, "row_bytes": 68, "count": 1000,
@@ -19,6 +15,10 @@ A raw-id table's records (``"owners": true`` in its section) name each slot's ow
      "dense": {"offset": 68000, "xxh3_128": "...", "tensors": [
                  {"name": "model.over_arch.model.0._mlp.0._linear.weight", "dtype": "float32",
                   "shape": [512, 479], "offset": 0, "nbytes": 980992}, ...]}}   # or null
+
+A raw-id table's section (``"owners": true``) has records ``(id int64, owner int64, row)``: the
+raw id that owns the slot from this delta on (``MCH_FREE_SLOT``: none), applied with its row
+(``slot_writes``), so an id never meets another id's row.
 
 A table's ids are strictly increasing (each once, in order): checking that is one pass where
 finding repeats in any order took a sort (3 ms of the 4.5 ms a 100k-row delta's check took, on the
@@ -49,8 +49,8 @@ import torch
 import xxhash
 
 from handlers.runtime.errors import BadRequest
-from handlers.runtime.inputs import MCH_FREE_SLOT
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout
+from handlers.runtime.inputs import MCH_FREE_SLOT
 
 MAGIC = b"TRSDELT1"
 FORMAT = 3  # 2: ids in any order; 1: sha256 checksums
@@ -167,7 +167,7 @@ class DeltaWriter:
         if table.name not in self._sections:
             self._sections[table.name] = {
                 "name": table.name, "dtype": table.dtype, "dim": table.dim, "row_bytes": table.row_bytes,
-                "count": 0, "offset": self._file.tell(), "owners": table.raw_ids,
+                "count": 0, "offset": self._file.tell(), **({"owners": True} if table.raw_ids else {}),
             }
             self._hashes[table.name] = xxhash.xxh3_128()
             self._last_id = -1

@@ -32,7 +32,7 @@ from handlers.runtime.freshness.log import log_entries
 logger = logging.getLogger(__name__)
 
 # The TBEs' buffers among a compiled package's constants: table state, never swapped with the
-# dense weights (nor are raw-id tables' slot maps: unseen_ids.is_slot_map).
+# dense weights (nor are raw-id tables' slot maps and counters: inputs.is_slot_map).
 _TABLE_CONSTANT = re.compile(r"\.tbes\.\d+\.")
 
 

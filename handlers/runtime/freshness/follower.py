@@ -72,8 +72,8 @@ class LogFollower:
     def _roll_back(self, log: Path, to: int) -> None:
         """A rollback, at the model's pace: a delta half applied is finished first (its undo is
         whole once it is), then the undo files, newest first; then the later deltas leave the log
-        (moved aside, kept). Done again from the start if the writer dies halfway (undoing is
-        idempotent: each undo file holds the bytes from before)."""
+        (moved aside, kept). The applied sequence steps down as each delta is undone, so a writer
+        that dies halfway is followed by one that goes on from there."""
         entries = log_entries(log)
         head = max(entries, default=0)
         if AppliedState.read(self.folder).partial:
@@ -84,7 +84,12 @@ class LogFollower:
             raise RuntimeError(f"rollback to {to}: {', '.join(missing)} missing from {log}, so the rows those deltas "
                                "overwrote cannot be restored; nothing was undone")
         for sequence in range(state.sequence, to, -1):
-            write_rows(read_delta(undo_file(log, sequence), self.layout), self.writer, self._writer_lock, self.pace)
+            write_rows(read_delta(undo_file(log, sequence), self.layout), self.writer, self._writer_lock, self.pace,
+                       staging=self.folder)
+            # undone: a writer that dies later goes on from the next (a raw-id table's owners, unlike
+            # rows, cannot take an older delta's undo twice)
+            AppliedState(sequence=sequence - 1, partial=0, rows_applied=state.rows_applied,
+                         updated_at=time.time()).write(self.folder)
         aside = log.parent / f"rolled-back-{time.strftime('%Y%m%dT%H%M%S')}-from-{head}-to-{to}"
         for sequence in range(to + 1, head + 1):
             aside.mkdir(parents=True, exist_ok=True)

@@ -60,6 +60,7 @@ from handlers.runtime.freshness.protocol import (
     write_whole,
 )
 from handlers.runtime.freshness.shared_tables import SharedTables, pin_in_memory, sweep
+from handlers.runtime.freshness.slot_writes import check_owners
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.slot_maps import slot_maps_in
 
@@ -96,8 +97,15 @@ class WorkerFreshness:
         """Before the model loads: the worker's freshness, holding the working copy of the tables
         (made now by the model's first worker), or why this archive cannot take deltas (the
         plugin's calls are then answered 409 with it)."""
-        layout = Archive(model_dir).layout
+        archive = Archive(model_dir)
+        layout = archive.layout
         why = cls._why_not(model_dir, options, layout)
+        if why is None and layout is not None:
+            schema = archive.inputs
+            raw = {f.raw_id_table for f in schema.features + schema.context_sparse} - {None}
+            unmarked = sorted(raw - {t.name for t in layout.tables if t.raw_ids})  # type: ignore[arg-type]
+            if unmarked:
+                why = f"its {TABLES} predates raw-id deltas (tables {unmarked}): rebuild it with this version"
         if why is not None:
             if (model_dir / LOG_POINTER).exists():  # the plugin would call: it is told why
                 Mailbox(model_dir).refuse(why)
@@ -160,10 +168,14 @@ class WorkerFreshness:
         self.follower = LogFollower(self.folder, self.layout, writer, self.lock, self.pace)
         self._pin_tables(writer)
         log = log_of(self.model_dir)
-        while log is not None and self.follower.behind(log):
-            self.follower.catch_up(log, Pace(CATCH_UP_ROWS_PER_S, self.pace.chunk_rows))  # or another worker does
-            if self.follower.behind(log):
-                time.sleep(0.05)
+        try:
+            while log is not None and self.follower.behind(log):
+                self.follower.catch_up(log, Pace(CATCH_UP_ROWS_PER_S, self.pace.chunk_rows))  # or another worker does
+                if self.follower.behind(log):
+                    time.sleep(0.05)
+        except DeltaError as e:  # a log entry that cannot be applied: serve what is applied, and say so
+            logger.exception("the delta log %s cannot be applied past sequence %d", log, AppliedState.read(self.folder).sequence)
+            self.error = str(e)
         if log is not None:
             self._sync_dense(log)
 
@@ -251,7 +263,10 @@ class WorkerFreshness:
             raise DeltaError("delta.sequence", f"{header.sequence} was published already, with other contents")
         if header.sequence != head + 1:
             raise DeltaError("delta.sequence", f"must be {head + 1} (the log's next), got {header.sequence}")
-        read_delta(path, self.layout)  # every section: table, dtype, dim, checksum, ids
+        delta = read_delta(path, self.layout)  # every section: table, dtype, dim, checksum, ids
+        if self.follower is not None and any(t.owners for t in delta.header.tables):  # (mapped tables: once loaded)
+            applied = AppliedState.read(self.folder).sequence
+            check_owners(self.follower.writer, delta, [read_delta(entries[s], self.layout) for s in range(applied + 1, head + 1)])
         if header.dense is not None:
             if isinstance(self.dense, str):
                 raise DeltaError("dense", f"this archive cannot swap dense weights: {self.dense}")

@@ -15,7 +15,7 @@ import numpy as np
 import orjson
 import pytest
 
-from handlers.runtime.archive_files import LOG_POINTER, MAILBOX, REFUSED
+from handlers.runtime.archive_files import INPUTS, LOG_POINTER, MAILBOX, REFUSED
 from handlers.runtime.freshness import shared_tables
 from handlers.runtime.freshness.applier import STATE_FILE
 from handlers.runtime.freshness.shared_tables import (
@@ -191,12 +191,14 @@ def _status_kib(field: str) -> int:
 
 def test_a_worker_with_no_room_for_a_copy_serves_without_deltas_and_says_why(tiny_spec, tiny_weights, tmp_path, monkeypatch):
     from handlers.modeling.factory import DLRMFactory
+    from handlers.modeling.registry import input_schema
     from handlers.runtime.freshness import worker
     from handlers.runtime.options import HandlerOptions
 
     factory = DLRMFactory(tiny_spec)
     factory.save_weights(tiny_weights, tmp_path / "weights.pt")
     factory.tables_layout(tmp_path / "weights.pt").save(tmp_path)
+    input_schema(tiny_spec).save(tmp_path / INPUTS)
     (tmp_path / LOG_POINTER).write_text("{}")  # registered through the plugin
 
     def no_room(*_args, **_kwargs):

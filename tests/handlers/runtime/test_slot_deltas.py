@@ -1,6 +1,7 @@
 """Deltas of raw-id tables: slot maps rebuilt from new owners, records that name each slot's
 owner, and owners written with their rows into a mapped weights file under the row lock, never
-seen torn by a reader of another mapping; undone with their rows."""
+seen torn by a reader of another mapping, undone with their rows, copied again from the staged
+map after a writer died; a delta that would give an id two slots refused at publish."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from handlers.modeling.raw_ids import SlotRemap
 from handlers.runtime.freshness.applier import Pace, RowLock, TableWriter, apply_delta, write_rows
 from handlers.runtime.freshness.delta_file import DeltaError, DeltaWriter, read_delta
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout, table_buffers
+from handlers.runtime.freshness.slot_writes import check_owners, stage
 from handlers.runtime.inputs import MCH_FREE_SLOT
 from handlers.runtime.slot_maps import owners_of, slot_map, slot_maps_in, with_owners
 
@@ -36,10 +38,10 @@ def test_a_slot_map_rebuilt_from_new_owners_is_the_map_of_those_owners():
     slots, owners = torch.tensor([0, 5, ROWS - 1]), torch.tensor([77, MCH_FREE_SLOT, -(2**63)])
     expected = OWNERS.clone()
     expected[slots] = owners
-    for got, want in zip(with_owners(current, slots, owners), slot_map(expected)):
+    for got, want in zip(with_owners(owners_of(current), slots, owners), slot_map(expected)):
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match=r"raw id -993 would own slots \[1, 2\]"):  # slot 1's owner given slot 2 too
-        with_owners(current, torch.tensor([2]), OWNERS[1:2])
+        with_owners(owners_of(current), torch.tensor([2]), OWNERS[1:2])
 
 
 def test_slot_maps_are_found_under_both_names_and_a_half_map_is_refused():
@@ -140,3 +142,43 @@ def test_no_reader_sees_an_id_with_another_ids_row(tmp_path):
     reader.join()
     torn = [v for v in seen if v != 1.0]
     assert len(seen) > 100 and not torn, (len(seen), torn[:5])
+
+
+def test_a_writer_that_died_copying_a_map_is_followed_by_one_that_copies_the_staged_map_again(tmp_path):
+    """The slots that change owner go in with the map; a slot that keeps its owner takes its new
+    row in a chunk of its own. A map whose changed span was left half copied (zeroed here) is not
+    rebuilt from: the staged span is copied again."""
+    path, _, writer = _weights_file(tmp_path)
+    records = {"r": ([3, 4, 7], _row_bytes(-np.ones(12)), [123, int(OWNERS[4]), int(OWNERS[7])])}  # slot 3 evicted
+    delta = read_delta(_delta(tmp_path / "00000001.delta", records), LAYOUT)
+    section = delta.header.tables[0]
+    staged = stage(writer, "r", delta.records(section), key=f"{delta.path.name}:{section.xxh3_128}")
+    assert staged.moved.tolist() == [3]
+    staged.save(tmp_path / "staged-map-r.pt")
+    writer.slot_map("r")[0][staged.start : staged.start + len(staged.sorted_ids)] = 0  # what the dead writer left
+    apply_delta(delta, writer, RowLock(tmp_path), tmp_path, Pace())
+    expected = OWNERS.clone()
+    expected[3] = 123
+    assert torch.equal(owners_of(writer.slot_map("r")), expected)
+    rows = torch.load(path, weights_only=True)["tbe.0"].view(torch.float32).reshape(2 * ROWS, 4)
+    assert rows[[3, 4, 7]].eq(-1).all() and not (tmp_path / "staged-map-r.pt").exists()
+    empty = read_delta(_delta(tmp_path / "00000002.delta", {"r": ([], np.zeros((0, 16), np.uint8), [])}, sequence=2), LAYOUT)
+    apply_delta(empty, writer, RowLock(tmp_path), tmp_path, Pace())  # a raw-id section of no records
+
+
+def test_a_delta_that_would_give_an_id_two_slots_is_refused_at_publish(tmp_path):
+    """Against the served map, and the pending deltas of the log as they will leave it."""
+    _, _, writer = _weights_file(tmp_path)
+
+    def delta(name: str, slots: list[int], owners: list[int]):
+        return read_delta(_delta(tmp_path / name, {"r": (slots, _row_bytes(np.ones(4 * len(slots))), owners)}), LAYOUT)
+
+    taken = delta("taken.delta", [5], [int(OWNERS[3])])  # OWNERS[3] keeps slot 3
+    with pytest.raises(DeltaError) as refused:
+        check_owners(writer, taken, pending=[])
+    assert refused.value.field == "tables.r.owners"
+    assert f"gives raw id {int(OWNERS[3])} slot 5 while it keeps slot 3" in refused.value.message
+    check_owners(writer, taken, pending=[delta("frees.delta", [3], [77])])  # a pending delta gives slot 3 away
+    check_owners(writer, delta("moves.delta", [3, 5], [int(OWNERS[5]), int(OWNERS[3])]), pending=[])  # a swap
+    with pytest.raises(DeltaError, match=r"gives raw id 88 slot 9 while it keeps slot 8"):
+        check_owners(writer, delta("twice.delta", [9], [88]), pending=[delta("pending.delta", [8], [88])])
