@@ -1,10 +1,11 @@
 """Slot deltas in the ``raw_ids`` scenarios: how long moving slots between raw ids takes on a
 large table, and whether any served score ever saw an id with another id's row.
 
-* ``swap_figures``: in process, the writer's own steps (``applier.TableWriter``) on the raw-id
+* ``swap_figures``: in process, the writer's own steps (``freshness.slot_writes``) on the raw-id
   archive's weights file, for ``evictions`` random slots given to new raw ids (their rows kept):
-  the new slot map rebuilt outside the lock (``stage_s``), then its changed span and the rows
-  copied under the row lock (``lock_ms``, what a forward can wait); ``swap_s`` is both. Checked:
+  the new slot map rebuilt and its changed span staged in a file in shared memory, outside the
+  lock (``stage_s``), then that span and the rows copied under the row lock (``lock_ms``, what a
+  forward can wait); ``swap_s`` is both. Checked:
   the served remap, reading the file through its own mapping, maps each new id to its slot.
 * ``torn_pairs``: through TorchServe, ids A and B swap two slots of one table, each taking its row
   along, delta after delta (published through the plugin), while one-item requests that look up
@@ -48,12 +49,14 @@ def swap_figures(archive: Path, weights_file: Path, table: str, evictions: int, 
     records["id"] = np.sort(rng.choice(served.rows - 1, evictions, replace=False))
     records["owner"] = _new_ids(evictions, maps[table][0].numpy(), rng)
     records["row"] = writer.rows(table, records["id"])
-    started = time.perf_counter()
-    staged = stage(writer, table, records, key="swap")
-    staged_at = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="swap-lock-") as folder, RowLock(Path(folder)).writing():
-        writer.write(table, records, staged)
-        done = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="swap-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as folder:
+        started = time.perf_counter()
+        staged = stage(writer, table, records, key="swap")
+        staged.save(Path(folder) / "staged-map.pt")  # as the writer keeps it beside the working copy
+        staged_at = time.perf_counter()
+        with RowLock(Path(folder)).writing():
+            writer.write(table, records, staged)
+            done = time.perf_counter()
     remap = SlotRemap(served.rows)
     remap.load(maps[table])  # this process's own mapping of the file
     slots = remap(torch.from_numpy(records["owner"].copy()))
