@@ -162,7 +162,8 @@ def _delta(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = make_delta(args.archive, source, out, args.sequence, name=args.name)
     for table, rows in summary.rows_by_table.items():
-        print(f"  {table:<24}{rows:>12,} rows", file=sys.stderr)
+        moved = f", {summary.moved_by_table[table]:,} of their slots to new owners" if table in summary.moved_by_table else ""
+        print(f"  {table:<24}{rows:>12,} rows{moved}", file=sys.stderr)
     if summary.dense_tensors:
         print(f"  dense weights: {summary.dense_tensors} tensors, swapped whole", file=sys.stderr)
     print(f"wrote {summary.path} ({sum(summary.rows_by_table.values()):,} rows, "

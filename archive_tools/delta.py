@@ -69,10 +69,13 @@ class DeltaSource:
 
 @dataclasses.dataclass(frozen=True)
 class DeltaSummary:
+    """``moved_by_table``: of a raw-id table's rows, the slots that change owner."""
+
     path: Path
     rows_by_table: dict[str, int]
     bytes: int
     dense_tensors: int = 0
+    moved_by_table: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def served_rows(floats: torch.Tensor, table: TableLayout) -> np.ndarray:
@@ -94,6 +97,8 @@ def make_delta(archive: Path, source: DeltaSource, out: Path, sequence: int, nam
     """Writes the delta for ``archive``'s model at ``out`` (one pass, progress on stderr)."""
     with _base(archive) as base:
         rows: dict[str, int] = {}
+        moved: dict[str, int] = {}
+        owners_now = {name: owners_of(m).numpy() for name, m in base.slot_maps.items()}
         dense = served_dense(base, read_checkpoint(source.dense)) if source.dense else {}
         with DeltaWriter(out, model=name or base.spec.name, base=base.layout.fingerprint, sequence=sequence) as writer:
             if source.checkpoint:
@@ -104,9 +109,11 @@ def make_delta(archive: Path, source: DeltaSource, out: Path, sequence: int, nam
                 if len(ids):
                     writer.add(table, ids, data, owners)
                     rows[table.name] = rows.get(table.name, 0) + len(ids)
+                    if owners is not None:
+                        moved[table.name] = moved.get(table.name, 0) + int((owners_now[table.name][ids] != owners).sum())
             if dense:
                 writer.add_dense(dense)
-    return DeltaSummary(Path(out), rows, Path(out).stat().st_size, len(dense))
+    return DeltaSummary(Path(out), rows, Path(out).stat().st_size, len(dense), moved)
 
 
 def served_dense(base: _Base, checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

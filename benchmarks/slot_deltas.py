@@ -3,8 +3,8 @@ large table, and whether any served score ever saw an id with another id's row.
 
 * ``swap_figures``: in process, the writer's own steps (``freshness.slot_writes``) on the raw-id
   archive's weights file, for ``evictions`` random slots given to new raw ids (their rows kept):
-  the new slot map rebuilt and its changed span staged in a file in shared memory, outside the
-  lock (``stage_s``), then that span and the rows copied under the row lock (``lock_ms``, what a
+  the new slot map rebuilt, its changed span staged in a file in shared memory and its pages
+  made writable, outside the lock (``stage_s``), then that span and the rows copied under the row lock (``lock_ms``, what a
   forward can wait); ``swap_s`` is both. Checked:
   the served remap, reading the file through its own mapping, maps each new id to its slot.
 * ``torn_pairs``: through TorchServe, ids A and B swap two slots of one table, each taking its row
@@ -53,6 +53,8 @@ def swap_figures(archive: Path, weights_file: Path, table: str, evictions: int, 
         started = time.perf_counter()
         staged = stage(writer, table, records, key="swap")
         staged.save(Path(folder) / "staged-map.pt")  # as the writer keeps it beside the working copy
+        writer.touch(table, records["id"])  # as an unpinned writer does (slot_writes.write_slots)
+        writer.touch_map(table, staged.start, len(staged.sorted_ids))
         staged_at = time.perf_counter()
         with RowLock(Path(folder)).writing():
             writer.write(table, records, staged)

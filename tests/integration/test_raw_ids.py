@@ -348,6 +348,7 @@ def test_a_slot_delta_serves_what_a_fresh_build_of_the_later_checkpoint_serves(t
         path = store / "deltas" / f"slots-{kind}.delta"
         delta = make_delta(archives[kind], DeltaSource(checkpoint=checkpoint, dense=checkpoint), path, sequence=1)
         assert verify_delta(archives[kind], path, checkpoint) == []
+        assert {t: n for t, n in delta.moved_by_table.items() if n} == {t: n for t, n in moved.items() if n}, kind
         assert all(delta.rows_by_table[t] >= moved[t] for t in moved), (delta.rows_by_table, moved)
     requests = [raw_request(spec, later, seed) for seed in (21, 22)] + [raw_request(spec, model, 23)]
     base, expected = archive_service(archives["eager"]), archive_service(fresh)
