@@ -22,10 +22,10 @@ that dies mid-delta is resumed by the next (rows are whole bytes, writing one tw
 
 A raw-id table's records also move slots between raw ids: its slot map (``slot_maps``), which
 every worker maps from the same file, is rebuilt from the new owners outside the lock (on the
-writer's thread, 0.7 s at 11M slots), and the part of it that differs is copied in during one
-hold of the lock with the rows of the slots that change owner (``slot_writes``): a forward sees
-the old owners with the old rows or the new with the new, never an id with another id's row.
-That hold is longer than a chunk's (22 ms at 11M slots).
+writer's thread, about 1 s at 11M slots), and the part of it that differs is copied in during
+one hold of the lock with the rows of the slots that change owner (``slot_writes``): a forward
+sees the old owners with the old rows or the new with the new, never an id with another id's row.
+That hold is longer than a chunk's (13-22 ms at 11M slots).
 
 The rows a delta overwrites are kept for a rollback (``UndoLog``): each chunk's rows are read just
 before the chunk is written, in the same pass (the write then finds them in the cache; a separate
