@@ -172,7 +172,14 @@ def test_raw_ids_arrive_exactly_and_the_free_slot_marker_is_refused(trained):
         assert problem in error.message
 
 
-def test_served_by_torchserve_counting_unseen_ids_exactly_and_refusing_a_reserved_id(trained, archives):
+@pytest.fixture(scope="module")
+def server(archives):
+    """One TorchServe over the archives' model store, for the tests that serve through it."""
+    with LocalTorchServe(model_store=archives["aoti"].parent) as server:
+        yield server
+
+
+def test_served_by_torchserve_counting_unseen_ids_exactly_and_refusing_a_reserved_id(trained, archives, server):
     """The AOTI archive through TorchServe: the extremes scored as in process; each table's unseen
     ids (owning no slot) and looked-up ids published as HandlerUnseenIds / HandlerRawIds, the
     metrics the dashboard's raw-id panel divides."""
@@ -180,23 +187,22 @@ def test_served_by_torchserve_counting_unseen_ids_exactly_and_refusing_a_reserve
     reference = archive_service(archives["eager"])
     owned, table_of = owned_ids(model), {f: t.name for t in spec.tables for f in t.features}
     unseen, looked_up = dict.fromkeys(owned, 0), dict.fromkeys(owned, 0)
-    with LocalTorchServe(model_store=archives["aoti"].parent) as server:
-        assert server.register(archives["aoti"].name, initial_workers=1).status_code == 200
-        for seed in (11, 12):
-            request = raw_request(spec, model, seed)
-            response = server.predict("tiny_raw_aoti", request)
-            assert response.status_code == 200, response.text
-            expected = orjson.loads(reference.handle([orjson.dumps(request)]).responses[0].body)["scores"]
-            assert response.json()["scores"] == pytest.approx(expected, abs=1e-6)
-            for item in request["items"]:
-                for feature, ids in item["sparse"].items():
-                    table = table_of[feature]
-                    unseen[table] += int((~np.isin(ids, owned[table].numpy())).sum())
-                    looked_up[table] += len(ids)
-        request["items"][1]["sparse"]["item_id"] = [3, MCH_FREE_SLOT]
+    assert server.register(archives["aoti"].name, initial_workers=1).status_code == 200
+    for seed in (11, 12):
+        request = raw_request(spec, model, seed)
         response = server.predict("tiny_raw_aoti", request)
-        assert response.status_code == 400 and response.json()["field"] == "items[1].sparse.item_id[1]"
-        published = _published(server.scrape("tiny_raw_aoti"), "tiny_raw_aoti")
+        assert response.status_code == 200, response.text
+        expected = orjson.loads(reference.handle([orjson.dumps(request)]).responses[0].body)["scores"]
+        assert response.json()["scores"] == pytest.approx(expected, abs=1e-6)
+        for item in request["items"]:
+            for feature, ids in item["sparse"].items():
+                table = table_of[feature]
+                unseen[table] += int((~np.isin(ids, owned[table].numpy())).sum())
+                looked_up[table] += len(ids)
+    request["items"][1]["sparse"]["item_id"] = [3, MCH_FREE_SLOT]
+    response = server.predict("tiny_raw_aoti", request)
+    assert response.status_code == 400 and response.json()["field"] == "items[1].sparse.item_id[1]"
+    published = _published(server.scrape("tiny_raw_aoti"), "tiny_raw_aoti")
     assert {t: published[("HandlerUnseenIds", t)] for t in owned} == unseen and all(unseen.values())
     assert {t: published[("HandlerRawIds", t)] for t in owned} == looked_up
 
@@ -331,7 +337,7 @@ def _publish(server: LocalTorchServe, model: str, dense_sequence: int, **params)
         time.sleep(0.05)
 
 
-def test_a_slot_delta_serves_what_a_fresh_build_of_the_later_checkpoint_serves(trained, trained_on, archives, tmp_path):
+def test_a_slot_delta_serves_what_a_fresh_build_of_the_later_checkpoint_serves(trained, trained_on, archives, server, tmp_path):
     """Training on evicts ids and gives their slots to new ones: the delta carries those slots
     with their new owners and rows (and the new dense weights). Published to the AOTI archive
     (two workers) and the eager one through TorchServe, each serves the later checkpoint's fresh
@@ -357,13 +363,12 @@ def test_a_slot_delta_serves_what_a_fresh_build_of_the_later_checkpoint_serves(t
         return [x for r in requests for x in orjson.loads(service.handle([orjson.dumps(r)]).responses[0].body)["scores"]]
 
     assert scores(base) != pytest.approx(scores(expected), abs=1e-4)
-    with LocalTorchServe(model_store=store) as server:
-        for kind, workers in (("aoti", 2), ("eager", 1)):
-            model_name = f"tiny_raw_{kind}"
-            assert server.register(archives[kind].name, initial_workers=workers).status_code == 200
-            served = lambda: [x for r in requests for x in server.predict(model_name, r).json()["scores"]]  # noqa: E731
-            assert served() == pytest.approx(scores(base), abs=1e-6), kind
-            _publish(server, model_name, 1, delta=f"slots-{kind}.delta")
-            assert served() == pytest.approx(scores(expected), abs=1e-6), kind
-            _publish(server, model_name, 0, rollback_to=0)
-            assert served() == pytest.approx(scores(base), abs=1e-6), kind
+    for kind, workers in (("aoti", 2), ("eager", 1)):
+        model_name = f"tiny_raw_{kind}_fresh"  # a registration of its own on the module's server
+        assert server.register(archives[kind].name, model_name=model_name, initial_workers=workers).status_code == 200
+        served = lambda: [x for r in requests for x in server.predict(model_name, r).json()["scores"]]  # noqa: E731
+        assert served() == pytest.approx(scores(base), abs=1e-6), kind
+        _publish(server, model_name, 1, delta=f"slots-{kind}.delta")
+        assert served() == pytest.approx(scores(expected), abs=1e-6), kind
+        _publish(server, model_name, 0, rollback_to=0)
+        assert served() == pytest.approx(scores(base), abs=1e-6), kind
