@@ -44,7 +44,7 @@ from handlers.runtime.errors import InputError
 from handlers.runtime.freshness.delta_file import DeltaWriter, dense_shapes, read_delta
 from handlers.runtime.freshness.dense import is_table_constant
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout, table_buffers
-from handlers.runtime.slot_maps import SlotMap, owners_of, slot_maps_in
+from handlers.runtime.slot_maps import owners_of, slot_maps_in
 
 CHUNK_ROWS = 1 << 18
 
@@ -98,7 +98,6 @@ def make_delta(archive: Path, source: DeltaSource, out: Path, sequence: int, nam
     with _base(archive) as base:
         rows: dict[str, int] = {}
         moved: dict[str, int] = {}
-        owners_now = {name: owners_of(m).numpy() for name, m in base.slot_maps.items()}
         dense = served_dense(base, read_checkpoint(source.dense)) if source.dense else {}
         with DeltaWriter(out, model=name or base.spec.name, base=base.layout.fingerprint, sequence=sequence) as writer:
             if source.checkpoint:
@@ -110,7 +109,7 @@ def make_delta(archive: Path, source: DeltaSource, out: Path, sequence: int, nam
                     writer.add(table, ids, data, owners)
                     rows[table.name] = rows.get(table.name, 0) + len(ids)
                     if owners is not None:
-                        moved[table.name] = moved.get(table.name, 0) + int((owners_now[table.name][ids] != owners).sum())
+                        moved[table.name] = moved.get(table.name, 0) + int((base.owners[table.name][ids] != owners).sum())
             if dense:
                 writer.add_dense(dense)
     return DeltaSummary(Path(out), rows, Path(out).stat().st_size, len(dense), moved)
@@ -164,7 +163,7 @@ def verify_delta(archive: Path, delta_path: Path, checkpoint: Path) -> list[str]
         differing = []
         for table in base.layout.tables:
             current = table_rows(base.buffers[table.buffer], table).copy()
-            owners = owners_of(base.slot_maps[table.name]).numpy().copy() if table.raw_ids else None
+            owners = base.owners[table.name].copy() if table.raw_ids else None
             section = next((s for s in delta.header.tables if s.name == table.name), None)
             if section is not None:
                 records = delta.records(section)
@@ -180,13 +179,14 @@ def verify_delta(archive: Path, delta_path: Path, checkpoint: Path) -> list[str]
 @dataclasses.dataclass
 class _Base:
     """What a delta is made against: the archive, its spec, its table layout, its table
-    buffers and its raw-id tables' slot maps (mapped from the file that holds them)."""
+    buffers (mapped from the file that holds them) and its raw-id tables' slot owners
+    (int64 [rows] each, row-aligned)."""
 
     archive: Archive
     spec: ModelSpec
     layout: TablesLayout
     buffers: list[torch.Tensor]
-    slot_maps: dict[str, SlotMap]
+    owners: dict[str, np.ndarray]
 
 
 @contextlib.contextmanager
@@ -202,7 +202,8 @@ def _base(path: Path) -> Iterator[_Base]:
             raise InputError(f"{path}: its {TABLES} does not mark raw-id tables {unmarked}; rebuild it with this version")
         weights = torch.load(archive.tables_file(), mmap=True, weights_only=True)
         buffers = table_buffers(weights, layout.buffer_constants)
-        yield _Base(archive, spec, layout, buffers, slot_maps_in(weights))
+        owners = {name: owners_of(m).numpy() for name, m in slot_maps_in(weights).items()}
+        yield _Base(archive, spec, layout, buffers, owners)
 
 
 # (table, row ids [n], their served bytes [n, row_bytes], a raw-id table's slot owners [n] or None)
@@ -217,8 +218,7 @@ def _from_checkpoint(base: _Base, checkpoint: Path) -> Changes:
     model = factory.float_model(seed=0)
     factory.load_checkpoint(model, read_checkpoint(checkpoint))
     weights = table_weights(model)
-    new_owners = {name: owners_of(m).numpy() for name, m in raw_ids.slot_maps(model).items()}
-    old_owners = {name: owners_of(m).numpy() for name, m in base.slot_maps.items()}
+    new_owners = {name: owners.numpy() for name, owners in raw_ids.slot_owners(model).items()}
     with tqdm(total=sum(t.rows for t in base.layout.tables), desc="delta", unit="row", unit_scale=True) as bar:
         for table in base.layout.tables:
             old = table_rows(base.buffers[table.buffer], table)
@@ -230,7 +230,7 @@ def _from_checkpoint(base: _Base, checkpoint: Path) -> Changes:
                 differ = (new != old[start:end]).any(axis=1)
                 owners = new_owners[table.name][start:end] if table.raw_ids else None
                 if owners is not None:
-                    differ |= owners != old_owners[table.name][start:end]
+                    differ |= owners != base.owners[table.name][start:end]
                 changed = np.flatnonzero(differ)
                 yield table, changed + start, new[changed], None if owners is None else owners[changed]
                 bar.update(end - start)

@@ -165,13 +165,18 @@ class RawIdBags(nn.Module):
         return self.bags(remapped)
 
 
-def slot_maps(model: nn.Module) -> dict[str, SlotMap]:
-    """Every raw-id table's slot map in a float model (none: ``{}``)."""
+def slot_owners(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every raw-id table's slot owners in a float model (none: ``{}``)."""
     return {
-        name: slot_map(owners)
+        name: owners
         for module in model.modules() if isinstance(module, ManagedBags)
         for name, owners in module.slot_owners().items()
     }
+
+
+def slot_maps(model: nn.Module) -> dict[str, SlotMap]:
+    """Every raw-id table's slot map in a float model (none: ``{}``)."""
+    return {name: slot_map(owners) for name, owners in slot_owners(model).items()}
 
 
 def load_slot_maps(model: nn.Module, maps: Mapping[str, SlotMap]) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from handlers.modeling.errors import CheckpointError
-from handlers.runtime.slot_maps import SlotMap
+from handlers.runtime.slot_maps import SlotMap, slot_maps_in
 
 from fbgemm_gpu.split_embedding_configs import SparseType  # isort: skip
 
@@ -61,9 +61,7 @@ def load_weights_file(
         stored = sorted(k for k in flat if k.startswith("tbe."))
         raise CheckpointError(f"{path}: holds {stored}, the spec needs {num_buffers} TBE buffers")
     dense = {k[len("dense.") :]: v for k, v in flat.items() if k.startswith("dense.")}
-    tables = {k[len("slot_maps.") :].rpartition(".")[0] for k in flat if k.startswith("slot_maps.")}
-    slot_maps = {t: (flat[f"slot_maps.{t}.sorted_ids"], flat[f"slot_maps.{t}.slots"]) for t in tables}
-    return buffers, dense, slot_maps  # type: ignore[return-value]
+    return buffers, dense, slot_maps_in(flat)  # type: ignore[return-value]
 
 
 def fill_random_table(

@@ -138,6 +138,8 @@ def test_unseen_zero_looks_up_a_zero_row(trained, archives, tmp_path):
     assert default_rows[float_zero].eq(0).all() and default_rows[model].ne(0).any()
     train(float_zero, zero, owned_ids(model)["t_user"], torch.Generator().manual_seed(3), steps=2)
     assert tbe_weight(float_zero, "t_user")[-1].eq(0).all()
+    random_rows = factory.random_weights(seed=5).tables["t_user"]  # no float model: zeroed as served
+    assert all(part[-1].eq(0).all() for part in random_rows if part is not None) and random_rows[0][0].ne(0).any()
     archive = build_archive(tmp_path / "zero.yaml", checkpoint=checkpoint, seed=0, name="tiny_raw_zero", version="1.0",
                             model_store=tmp_path, serving=ServingConfig(batch_size=8), artifact=Artifact.EAGER)
     unseen = torch.randint(-(2**63), MCH_FREE_SLOT, (3,), generator=torch.Generator().manual_seed(4)).tolist()

@@ -15,7 +15,11 @@ from handlers.modeling.raw_ids import SlotRemap
 from handlers.runtime.freshness.applier import Pace, RowLock, TableWriter, apply_delta, write_rows
 from handlers.runtime.freshness.delta_file import DeltaError, DeltaWriter, read_delta
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout, table_buffers
-from handlers.runtime.freshness.slot_writes import check_owners, stage
+from handlers.runtime.freshness import follower as follower_module
+from handlers.runtime.freshness.applier import AppliedState
+from handlers.runtime.freshness.follower import LogFollower
+from handlers.runtime.freshness.log import mark_rollback
+from handlers.runtime.freshness.slot_writes import StagedMap, check_owners, stage
 from handlers.runtime.inputs import MCH_FREE_SLOT
 from handlers.runtime.slot_maps import owners_of, slot_map, slot_maps_in, with_owners
 
@@ -155,6 +159,7 @@ def test_a_writer_that_died_copying_a_map_is_followed_by_one_that_copies_the_sta
     staged = stage(writer, "r", delta.records(section), key=f"{delta.path.name}:{section.xxh3_128}")
     assert staged.moved.tolist() == [3]
     staged.save(tmp_path / "staged-map-r.pt")
+    assert StagedMap.load(tmp_path / "staged-map-r.pt", key="another delta's") is None
     writer.slot_map("r")[0][staged.start : staged.start + len(staged.sorted_ids)] = 0  # what the dead writer left
     apply_delta(delta, writer, RowLock(tmp_path), tmp_path, Pace())
     expected = OWNERS.clone()
@@ -182,3 +187,36 @@ def test_a_delta_that_would_give_an_id_two_slots_is_refused_at_publish(tmp_path)
     check_owners(writer, delta("moves.delta", [3, 5], [int(OWNERS[5]), int(OWNERS[3])]), pending=[])  # a swap
     with pytest.raises(DeltaError, match=r"gives raw id 88 slot 9 while it keeps slot 8"):
         check_owners(writer, delta("twice.delta", [9], [88]), pending=[delta("pending.delta", [8], [88])])
+
+
+def test_a_rollback_cut_short_after_an_undo_goes_on_from_the_next(tmp_path, monkeypatch):
+    """Delta 1 gives slot 0 to X and X's old owner A slot 1; delta 2 gives slot 1 to Y. Undone
+    newest first, the writer dies right after undoing delta 1: the next one must not undo delta 2
+    again (A would own slots 0 and 1), and ends with the archive's owners."""
+    _, _, writer = _weights_file(tmp_path)
+    with pytest.raises(ValueError, match="have no slot map"):
+        TableWriter(tmp_path / "weights.pt", [writer.slot_map("r")[0].view(torch.uint8)], LAYOUT)
+    a = int(OWNERS[0])
+    log = tmp_path / "log"
+    log.mkdir()
+    _delta(log / "00000001.delta", {"r": ([0, 1], _row_bytes(np.ones(8)), [77, a])})
+    _delta(log / "00000002.delta", {"r": ([1], _row_bytes(np.ones(4)), [88])}, sequence=2)
+    follower = LogFollower(tmp_path, LAYOUT, writer, RowLock(tmp_path), Pace())
+    follower.catch_up(log, Pace())
+    assert AppliedState.read(tmp_path).sequence == 2
+    mark_rollback(log, 0, 2)
+    real, calls = follower_module.write_rows, []
+
+    def dies_after_the_second_undo(*args, **kwargs):
+        real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+
+    monkeypatch.setattr(follower_module, "write_rows", dies_after_the_second_undo)
+    with pytest.raises(RuntimeError, match="killed"):
+        follower.catch_up(log, Pace())
+    monkeypatch.setattr(follower_module, "write_rows", real)
+    follower.catch_up(log, Pace())
+    assert AppliedState.read(tmp_path).sequence == 0
+    assert torch.equal(owners_of(writer.slot_map("r")), OWNERS)
