@@ -15,6 +15,9 @@ artifact, device, load time, and whether TorchRec or TorchAO were imported. The 
 calls (publish checks, state, rollback) do not come through here: they travel through the model's
 mailbox folder, answered by the freshness thread (``handlers.runtime.freshness.protocol``).
 
+Reading: from the first request on, the worker reads the frontend's socket through one buffer
+(``handlers.torchserve_internals.FrameReader``), not a system call per field of a request.
+
 Garbage collection: once the model is loaded, every object then alive (hundreds of thousands:
 torch, the model, TorchServe) is frozen out of the collector's reach (``gc.freeze``). Without it a
 full collection, which request garbage triggers every few seconds, walks them all and stalls the
@@ -41,6 +44,7 @@ from handlers.runtime.remote.lookups import ShardedLookups
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.v2_answers import HEADER_LENGTH
 from handlers.runtime.wire.transport import Arrival
+from handlers.torchserve_internals import read_frames_buffered
 from handlers.torchserve_metrics import MetricsPublisher, quiet_per_batch_lines
 
 logger = logging.getLogger(__name__)
@@ -71,6 +75,9 @@ class DLRMHandler:
             self.service.model = LockedRunner(self.service.model, freshness.lock)
         self.metrics = MetricsPublisher(options.metrics_flush_s)
         quiet_per_batch_lines()
+        unbuffered = read_frames_buffered()
+        if unbuffered is not None:
+            logger.info("reading requests with TorchServe's own reader: %s", unbuffered)
         lookups = getattr(self.service.model, "sparse", None)  # a dense host's calls to its shards
         self.shard_calls = lookups if isinstance(lookups, ShardedLookups) else None
         gc.collect()

@@ -1,18 +1,26 @@
 """What the plugin relies on in TorchServe beyond its serving SDK (``Internals.java``,
 ``Contract.java``): checked on the installed TorchServe by the plugin's own check, run here, and
 the one behaviour no name can pin (how ``Model.pollBatch`` starts a batch), read from its bytecode.
-A TorchServe upgrade that changes one fails here by name."""
+And what the handler relies on in TorchServe's Python worker (``handlers/torchserve_internals.py``):
+its message frames and the loop that reads them. A TorchServe upgrade that changes one fails here
+by name."""
 
 from __future__ import annotations
 
+import inspect
 import re
 import shutil
+import socket
+import struct
 import subprocess
+import threading
 
 import pytest
+from ts.protocol import otf_message_handler
 
 from archive_tools import plugin
 from archive_tools.plugin import JAR_NAME, PluginBuildError, built_for, plugin_dir, serving_sdk_jar
+from handlers.torchserve_internals import FrameReader, read_frames_buffered
 
 CONTRACT = "org.torchrecserve.plugin.Contract"
 
@@ -54,3 +62,91 @@ def test_a_batch_starts_with_a_poll_of_long_max_value():
     locked = body.index("lockInterruptibly")  # the model's lock: then the data queue's first take
     first_take = body.index("LinkedBlockingDeque.poll:(JLjava/util/concurrent/TimeUnit;)", locked)
     assert re.search(r"ldc2_w .*long 9223372036854775807l", body[locked:first_take]), body[locked:first_take]
+
+
+# --- the worker's reader (handlers/torchserve_internals.py) ---
+
+
+def _string(value: bytes) -> bytes:
+    return struct.pack("!i", len(value)) + value
+
+
+def _request(request_id: bytes, headers: dict[bytes, bytes], parameters: list[tuple[bytes, bytes, bytes]]) -> bytes:
+    frame = _string(request_id) + b"".join(_string(k) + _string(v) for k, v in headers.items()) + _END
+    frame += b"".join(_string(name) + _string(kind) + _string(value) for name, kind, value in parameters)
+    return frame + _END
+
+
+_END = struct.pack("!i", -1)
+_HEADERS = {b"Host": b"127.0.0.1:8080", b"Content-Type": b"application/json", b"Authorization": b"Bearer x"}
+_MESSAGES = [
+    # a REST batch: a small body, an empty one, one far larger than a read of the socket
+    b"I" + _request(b"r-1", _HEADERS, [(b"body", b"application/json", b'{"items": []}')])
+    + _request(b"r-2", {}, [(b"body", b"application/json", b"")])
+    + _request(b"r-3", _HEADERS, [(b"body", b"application/octet-stream", bytes(range(256)) * 1000)]) + _END,
+    # a form's fields and a gRPC request's inputs come as several parameters; a describe call
+    b"I" + _request(b"g-1", {b"describe": b"True"}, [(b"data", b"", b"\x00\x01"), (b"x", b"text/plain", b"\xc3\xa9")])
+    + _END,
+    # a model load, read by TorchServe's own reader from the same buffer
+    b"L" + _string(b"criteo") + _string(b"/tmp/model") + struct.pack("!i", 32) + _string(b"handler.py")
+    + struct.pack("!i", -1) + _string(b"") + struct.pack("!?", False),
+    b"I" + _END,  # an empty batch
+]
+
+
+def _read_all(read) -> list:
+    """Every message of ``_MESSAGES``, sent back to back over a socket, as ``read(socket)`` reads them."""
+    ours, theirs = socket.socketpair()
+    sender = threading.Thread(target=lambda: (theirs.sendall(b"".join(_MESSAGES)), theirs.close()))
+    sender.start()
+    try:
+        return [read(ours) for _ in _MESSAGES]
+    finally:
+        sender.join()
+        ours.close()
+
+
+def test_the_buffered_reader_reads_what_torchserves_reader_reads(monkeypatch):
+    """Same commands, requests, headers, parameters and types (bytearray, str) as
+    ``otf_message_handler.retrieve_msg`` with undecoded bodies, message after message from one buffer."""
+    monkeypatch.setenv("TS_DECODE_INPUT_REQUEST", "false")
+    stock = _read_all(otf_message_handler.retrieve_msg)
+    readers: dict = {}
+    buffered = _read_all(lambda s: readers.setdefault(s, FrameReader(s)).message())
+
+    def typed(value):
+        if isinstance(value, dict):
+            return {k: typed(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [typed(v) for v in value]
+        return type(value).__name__, value
+
+    assert typed(buffered) == typed(stock)
+    assert [len(m) for _, m in stock[:2]] == [3, 1] and stock[2][1]["batchSize"] == 32  # read, not empty
+
+
+def test_a_frontend_that_hangs_up_ends_the_worker_as_torchserve_does():
+    ours, theirs = socket.socketpair()
+    theirs.sendall(b"I" + _string(b"r-1")[:3])
+    theirs.close()
+    with pytest.raises(SystemExit) as exited:
+        FrameReader(ours).message()
+    assert exited.value.code == 0
+    ours.close()
+
+
+def test_the_worker_loop_reads_each_message_through_its_module_global(monkeypatch):
+    """``handle_connection`` calls the ``retrieve_msg`` of its module's globals per message, which
+    ``read_frames_buffered`` replaces; without ``decode_input_request=false`` it keeps TorchServe's."""
+    from ts import model_service_worker
+
+    loop = inspect.getsource(model_service_worker.TorchModelServiceWorker.handle_connection)
+    assert "cmd, msg = retrieve_msg(cl_socket)" in loop
+    assert model_service_worker.retrieve_msg is otf_message_handler.retrieve_msg
+    monkeypatch.setattr(model_service_worker, "retrieve_msg", otf_message_handler.retrieve_msg)
+    monkeypatch.delenv("TS_DECODE_INPUT_REQUEST", raising=False)
+    assert "decode_input_request" in read_frames_buffered()
+    assert model_service_worker.retrieve_msg is otf_message_handler.retrieve_msg
+    monkeypatch.setenv("TS_DECODE_INPUT_REQUEST", "false")
+    assert read_frames_buffered() is None
+    assert model_service_worker.retrieve_msg is not otf_message_handler.retrieve_msg
