@@ -3,24 +3,34 @@
 ``ScoringService.handle`` is timed on exactly what a worker does per TorchServe batch (decode k
 bodies, coalesce, forward, split, encode), at the batch sizes the server formed, on the same
 number of intra-op threads, with the loaded objects frozen out of the garbage collector's reach
-as in the worker.
+as in the worker. ``frame_read_us_per_request`` times a worker's reading of the frontend's
+messages, TorchServe's reader against the handler's.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import multiprocessing
+import os
+import socket
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
+from ts.protocol import otf_message_handler
 
 from benchmarks.traffic import Traffic
 from handlers.loading import load_archive
 from handlers.runtime.batching import coalesce
 from handlers.runtime.archive import Archive
 from handlers.runtime.service import ScoringService
+from handlers.torchserve_internals import FramedRequest, FrameReader, inference_message
+
+_UNDECODED = "TS_DECODE_INPUT_REQUEST"  # TorchServe's switch for decoding bodies (decode_input_request)
 
 
 def ceiling_items_per_s(
@@ -133,3 +143,54 @@ def _forward_in_child(workload: str, requests_per_batch: int, min_time_s: float)
 
 def _ceiling_in_child(workload: str, requests_per_batch: int, min_time_s: float) -> float:
     return ceiling_items_per_s(_child["service"], _child["traffic"][workload], requests_per_batch, min_time_s)
+
+
+def frame_read_us_per_request(traffic: Traffic, requests_per_message: int = 32, repeats: int = 3) -> dict[str, float]:
+    """A worker's reading of the frontend's messages, in process, per request: TorchServe's
+    reader (a ``recv`` per field) against the handler's ``FrameReader`` (one buffer), on the same
+    inference messages of ``requests_per_message`` of the traffic's bodies each, with the HTTP
+    headers ``wrk`` sends (Host, Authorization, Content-Type, Content-Length), written to a socket
+    pair by another thread. The best of ``repeats`` passes over all of them."""
+    n = len(traffic.bodies)
+    messages = [
+        inference_message([
+            FramedRequest(
+                f"{start + j:08d}-0000-4000-8000-000000000000".encode(),
+                {b"Host": b"127.0.0.1:8080", b"Authorization": b"Bearer 0123456789abcdef",
+                 b"Content-Type": b"application/json", b"Content-Length": str(len(body)).encode()},
+                [(b"body", b"application/json", body)],
+            )
+            for j, body in ((j, traffic.bodies[(start + j) % n]) for j in range(requests_per_message))
+        ])
+        for start in range(0, n, requests_per_message)
+    ]
+    stream = b"".join(messages)
+    readers: dict[str, Callable[[socket.socket], Callable[[], object]]] = {
+        "torchserve": lambda connection: functools.partial(otf_message_handler.retrieve_msg, connection),
+        "buffered": lambda connection: FrameReader(connection).message,  # one reader per socket, as in a worker
+    }
+    best = dict.fromkeys(readers, float("inf"))
+    undecoded = os.environ.get(_UNDECODED)
+    os.environ[_UNDECODED] = "false"  # bodies as the project's config hands them over: not JSON-decoded
+    try:
+        for _ in range(repeats):
+            for name, reader_of in readers.items():
+                ours, theirs = socket.socketpair()
+                writer = threading.Thread(target=theirs.sendall, args=(stream,))
+                writer.start()
+                read = reader_of(ours)
+                started = time.perf_counter()
+                for _ in messages:
+                    read()
+                elapsed = time.perf_counter() - started
+                writer.join()
+                ours.close()
+                theirs.close()
+                best[name] = min(best[name], elapsed / (len(messages) * requests_per_message) * 1e6)
+    finally:
+        if undecoded is None:
+            del os.environ[_UNDECODED]
+        else:
+            os.environ[_UNDECODED] = undecoded
+    return best
+

@@ -28,6 +28,11 @@ beside its figure) and ``speed.png``:
   cores and their caches with the frontend and the client; ``inprocess_handler_us_per_item_b32``:
   the handler's own work in process (``ScoringService.handle`` on 32 one-item requests, less the
   forward);
+* reading the frontend's messages, in process, per one-item request: ``torchserve_read_us_per_request``
+  (TorchServe's reader, which the no-op floor's worker uses) and ``buffered_read_us_per_request``
+  (the handler's ``FrameReader``, which the model's worker uses): the model's worker pays the
+  difference less than the floor's protocol, so ``handler_us_per_item_c32`` is the handler's own
+  work less that saving, and ``inprocess_handler_us_per_item_b32`` the handler's own alone;
 * ``clients``: for each point, the load generator (``wrk`` for REST closed loops, the Python
   client for gRPC), its CPU in cores and whether it was saturated (then the point may be the
   client's pace, not the server's; the plot hatches it).
@@ -51,7 +56,7 @@ from tqdm import tqdm  # noqa: E402
 from archive_tools.local_server import HandlerCounters, LocalTorchServe  # noqa: E402
 from archive_tools.model_config import ServingConfig  # noqa: E402
 from benchmarks.building import build  # noqa: E402
-from benchmarks.inprocess import CeilingProcess  # noqa: E402
+from benchmarks.inprocess import CeilingProcess, frame_read_us_per_request  # noqa: E402
 from benchmarks.load import LoadResult, run_closed_loop_grpc  # noqa: E402
 from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS  # noqa: E402
 from benchmarks.traffic import Traffic, TrafficModel  # noqa: E402
@@ -93,6 +98,9 @@ def run_speed(scenario: SpeedScenario, out_dir: Path) -> dict:
     tensors = candidates.as_tensors(schema)
     figures: dict = {"json_decode_us_per_item": _decode_us_per_item(schema, candidates),
                      "tensor_decode_us_per_item": _decode_us_per_item(schema, tensors)}
+    read = frame_read_us_per_request(one_item)
+    figures["torchserve_read_us_per_request"] = read["torchserve"]
+    figures["buffered_read_us_per_request"] = read["buffered"]
     store = out_dir / "model_store"
     archive = _build(scenario, spec.name, store)
     progress = tqdm(total=9, desc=scenario.name, unit="level")

@@ -20,7 +20,7 @@ from ts.protocol import otf_message_handler
 
 from archive_tools import plugin
 from archive_tools.plugin import JAR_NAME, PluginBuildError, built_for, plugin_dir, serving_sdk_jar
-from handlers.torchserve_internals import FrameReader, read_frames_buffered
+from handlers.torchserve_internals import FramedRequest, FrameReader, inference_message, read_frames_buffered
 
 CONTRACT = "org.torchrecserve.plugin.Contract"
 
@@ -71,26 +71,22 @@ def _string(value: bytes) -> bytes:
     return struct.pack("!i", len(value)) + value
 
 
-def _request(request_id: bytes, headers: dict[bytes, bytes], parameters: list[tuple[bytes, bytes, bytes]]) -> bytes:
-    frame = _string(request_id) + b"".join(_string(k) + _string(v) for k, v in headers.items()) + _END
-    frame += b"".join(_string(name) + _string(kind) + _string(value) for name, kind, value in parameters)
-    return frame + _END
-
-
-_END = struct.pack("!i", -1)
 _HEADERS = {b"Host": b"127.0.0.1:8080", b"Content-Type": b"application/json", b"Authorization": b"Bearer x"}
 _MESSAGES = [
     # a REST batch: a small body, an empty one, one far larger than a read of the socket
-    b"I" + _request(b"r-1", _HEADERS, [(b"body", b"application/json", b'{"items": []}')])
-    + _request(b"r-2", {}, [(b"body", b"application/json", b"")])
-    + _request(b"r-3", _HEADERS, [(b"body", b"application/octet-stream", bytes(range(256)) * 1000)]) + _END,
+    inference_message([
+        FramedRequest(b"r-1", _HEADERS, [(b"body", b"application/json", b'{"items": []}')]),
+        FramedRequest(b"r-2", {}, [(b"body", b"application/json", b"")]),
+        FramedRequest(b"r-3", _HEADERS, [(b"body", b"application/octet-stream", bytes(range(256)) * 1000)]),
+    ]),
     # a form's fields and a gRPC request's inputs come as several parameters; a describe call
-    b"I" + _request(b"g-1", {b"describe": b"True"}, [(b"data", b"", b"\x00\x01"), (b"x", b"text/plain", b"\xc3\xa9")])
-    + _END,
+    inference_message([
+        FramedRequest(b"g-1", {b"describe": b"True"}, [(b"data", b"", b"\x00\x01"), (b"x", b"text/plain", b"\xc3\xa9")])
+    ]),
     # a model load, read by TorchServe's own reader from the same buffer
     b"L" + _string(b"criteo") + _string(b"/tmp/model") + struct.pack("!i", 32) + _string(b"handler.py")
     + struct.pack("!i", -1) + _string(b"") + struct.pack("!?", False),
-    b"I" + _END,  # an empty batch
+    inference_message([]),  # an empty batch
 ]
 
 
