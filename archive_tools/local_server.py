@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Mapping
+from typing import Any, BinaryIO, Callable, Mapping
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
@@ -254,6 +254,18 @@ class LocalTorchServe:
     def management(self, method: str, path: str, **kwargs: Any) -> requests.Response:
         kwargs.setdefault("timeout", 300)
         return self.call("management", method, f"{self.management_url}{path}", **kwargs)
+
+    def freshness_when(self, model: str, done: Callable[[dict], bool], timeout_s: float = 30.0) -> dict:
+        """The model's ``GET /freshness`` state once ``done(state)`` holds (asked every 20 ms);
+        ``AssertionError`` with the last state if it reports an error first, or at ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.management("GET", f"/freshness/{model}").json()
+            if done(state):
+                return state
+            if state.get("error") or time.monotonic() > deadline:
+                raise AssertionError(f"{model}: freshness state not reached within {timeout_s} s: {state}")
+            time.sleep(0.02)
 
     def flush_metrics(self, model: str) -> None:
         """Has the model's worker publish the counts it has summed (its describe call does)."""

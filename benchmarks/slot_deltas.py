@@ -133,11 +133,4 @@ def torn_pairs(server: LocalTorchServe, model: str, archive: Path, weights_file:
 
 
 def _wait_applied(server: LocalTorchServe, model: str, sequence: int, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = server.management("GET", f"/freshness/{model}").json()
-        if state["applied_sequence"] >= sequence:
-            return
-        if state.get("error") or time.monotonic() > deadline:
-            raise AssertionError(f"delta {sequence} not applied: {state}")
-        time.sleep(0.02)
+    server.freshness_when(model, lambda state: state["applied_sequence"] >= sequence, timeout_s)

@@ -89,13 +89,7 @@ def _publish(server: LocalTorchServe, model: str, delta: str):
 
 
 def _applied(server: LocalTorchServe, model: str, sequence: int, timeout_s: float = 30) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = server.management("GET", f"/freshness/{model}").json()
-        if state["applied_sequence"] >= sequence:
-            return state
-        assert time.monotonic() < deadline, state
-        time.sleep(0.05)
+    return server.freshness_when(model, lambda state: state["applied_sequence"] >= sequence, timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -131,25 +125,14 @@ def test_a_delta_published_under_load_moves_scores_with_no_failed_request(setup,
 
 def _rolled_back(server: LocalTorchServe, model: str, timeout_s: float = 30) -> dict:
     """The state once a rollback asked for is done."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = server.management("GET", f"/freshness/{model}").json()
-        if state.get("rolling_back_to") is None:  # a null is left out
-            return state
-        assert time.monotonic() < deadline, state
-        time.sleep(0.02)
+    return server.freshness_when(model, lambda state: state.get("rolling_back_to") is None, timeout_s)  # null: left out
 
 
 def _dense_served(server: LocalTorchServe, model: str, sequence: int, workers: int, timeout_s: float = 30) -> dict:
     """The state once ``workers`` workers serve the dense weights of delta ``sequence``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = server.management("GET", f"/freshness/{model}").json()
-        serving = [w.get("dense_sequence") for w in state["workers"]]
-        if serving == [sequence] * workers:
-            return state
-        assert time.monotonic() < deadline, state
-        time.sleep(0.05)
+    return server.freshness_when(
+        model, lambda state: [w.get("dense_sequence") for w in state["workers"]] == [sequence] * workers, timeout_s
+    )
 
 
 def test_dense_weights_swap_whole_in_every_worker_with_no_failed_request(setup, server):
@@ -352,11 +335,7 @@ def test_workers_killed_during_an_apply_resume_it(setup, server, tmp_path):
     def state() -> dict:
         return server.management("GET", "/freshness/tiny_slow").json()
 
-    deadline = time.monotonic() + 30
-    while state()["rows_applied"] < 100:
-        assert time.monotonic() < deadline, state()
-        time.sleep(0.05)
-    assert state()["applied_sequence"] == 0  # halfway
+    assert server.freshness_when("tiny_slow", lambda s: s["rows_applied"] >= 100)["applied_sequence"] == 0  # halfway
     victims = [w["pid"] for w in server.management("GET", "/models/tiny_slow").json()[0]["workers"]]
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
@@ -380,10 +359,7 @@ def test_rollbacks_restore_the_rows_a_killed_writer_and_a_writer_midway_had_kept
     model = "tiny_slow"
     assert _publish(server, model, "eager-2.delta").status_code == 200
     start = server.management("GET", f"/freshness/{model}").json()["rows_applied"]
-    deadline = time.monotonic() + 30
-    while server.management("GET", f"/freshness/{model}").json()["rows_applied"] < start + 100:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    server.freshness_when(model, lambda state: state["rows_applied"] >= start + 100)
     rolled = server.management("POST", f"/freshness/{model}", params={"rollback_to": 1})
     assert rolled.status_code == 200, rolled.text
     state = _rolled_back(server, model, timeout_s=60)

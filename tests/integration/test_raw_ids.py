@@ -5,7 +5,6 @@ served by the real TorchServe; TorchRec's own eval model is the reference throug
 from __future__ import annotations
 
 import json
-import time
 import zipfile
 
 import numpy as np
@@ -329,14 +328,12 @@ def _publish(server: LocalTorchServe, model: str, dense_sequence: int, **params)
     serves the dense weights of delta ``dense_sequence``."""
     response = server.management("POST", f"/freshness/{model}", params=params)
     assert response.status_code == 200, response.text
-    deadline = time.monotonic() + 60
-    while True:
-        state = server.management("GET", f"/freshness/{model}").json()
+
+    def served(state: dict) -> bool:
         applied = state.get("rolling_back_to") is None and state["applied_sequence"] == state["log_head"]  # null: left out
-        if applied and {w.get("dense_sequence") for w in state["workers"]} == {dense_sequence}:
-            return state
-        assert time.monotonic() < deadline and not state.get("error"), state
-        time.sleep(0.05)
+        return applied and {w.get("dense_sequence") for w in state["workers"]} == {dense_sequence}
+
+    return server.freshness_when(model, served, timeout_s=60)
 
 
 def test_a_slot_delta_serves_what_a_fresh_build_of_the_later_checkpoint_serves(trained, trained_on, archives, server, tmp_path):

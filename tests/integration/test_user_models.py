@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -184,11 +183,8 @@ def test_a_row_delta_of_the_sequence_table_serves_what_a_fresh_build_serves_and_
 
 
 def _wait_applied(server, model: str, sequence: int, rolled_back: bool = False, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = server.management("GET", f"/freshness/{model}").json()
-        done = state["applied_sequence"] == sequence and (not rolled_back or state.get("rolling_back_to") is None)
-        if done:
-            return
-        assert time.monotonic() < deadline, state
-        time.sleep(0.05)
+    server.freshness_when(
+        model,
+        lambda state: state["applied_sequence"] == sequence and (not rolled_back or state.get("rolling_back_to") is None),
+        timeout_s,
+    )
