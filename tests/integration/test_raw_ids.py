@@ -5,6 +5,7 @@ served by the real TorchServe; TorchRec's own eval model is the reference throug
 from __future__ import annotations
 
 import json
+import re
 import zipfile
 
 import numpy as np
@@ -14,7 +15,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from archive_tools.build import build_archive
-from archive_tools.delta import DeltaSource, make_delta, verify_delta
+from archive_tools.cli import main as cli_main
+from archive_tools.delta import DeltaSource, make_delta
 from archive_tools.local_server import LocalTorchServe
 from archive_tools.model_config import ServingConfig
 from archive_tools.planning import plan_tables
@@ -336,7 +338,9 @@ def _publish(server: LocalTorchServe, model: str, dense_sequence: int, **params)
     return server.freshness_when(model, served, timeout_s=60)
 
 
-def test_a_slot_delta_serves_what_a_fresh_build_of_the_later_checkpoint_serves(trained, trained_on, archives, server, tmp_path):
+def test_a_slot_delta_serves_what_a_fresh_build_of_the_later_checkpoint_serves(
+    trained, trained_on, archives, server, tmp_path, capsys
+):
     """Training on evicts ids and gives their slots to new ones: the delta carries those slots
     with their new owners and rows (and the new dense weights). Published to the AOTI archive
     (two workers) and the eager one through TorchServe, each serves the later checkpoint's fresh
@@ -349,12 +353,16 @@ def test_a_slot_delta_serves_what_a_fresh_build_of_the_later_checkpoint_serves(t
                           model_store=tmp_path, serving=ServingConfig(batch_size=8), artifact=Artifact.EAGER)
     moved = {t: int((slot_owners(later)[t] != slot_owners(model)[t]).sum()) for t in ROWS}
     assert all(moved[t] > 0 for t in ("t_user", "t_item", "t_category")), moved  # evictions and insertions
-    for kind in ("aoti", "eager"):
+    for kind in ("aoti", "eager"):  # through the command line: its per-table lines, and --verify
         path = store / "deltas" / f"slots-{kind}.delta"
-        delta = make_delta(archives[kind], DeltaSource(checkpoint=checkpoint, dense=checkpoint), path, sequence=1)
-        assert verify_delta(archives[kind], path, checkpoint) == []
-        assert {t: n for t, n in delta.moved_by_table.items() if n} == {t: n for t, n in moved.items() if n}, kind
-        assert all(delta.rows_by_table[t] >= moved[t] for t in moved), (delta.rows_by_table, moved)
+        assert cli_main(["delta", str(archives[kind]), "--checkpoint", str(checkpoint), "--dense", str(checkpoint),
+                         "--out", str(path), "--sequence", "1", "--verify"]) == 0
+        lines = re.findall(r"^  (\w+) +([\d,]+) rows(?:, ([\d,]+) of their slots to new owners)?$",
+                           capsys.readouterr().err, re.M)
+        rows = {t: int(n.replace(",", "")) for t, n, _ in lines}
+        said_moved = {t: int(m.replace(",", "")) for t, _, m in lines if m}
+        assert {t: n for t, n in said_moved.items() if n} == {t: n for t, n in moved.items() if n}, (kind, lines)
+        assert all(rows[t] >= moved[t] for t in moved), (rows, moved)
     requests = [raw_request(spec, later, seed) for seed in (21, 22)] + [raw_request(spec, model, 23)]
     base, expected = archive_service(archives["eager"]), archive_service(fresh)
 

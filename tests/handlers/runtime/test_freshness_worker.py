@@ -84,3 +84,22 @@ def test_the_calls_thread_logs_a_mailbox_error_and_answers_the_next_calls(monkey
     with pytest.raises(_Stop):
         freshness._answer_calls()
     assert len(looks) == 2 and "permission denied" in caplog.text
+
+
+def test_a_worker_loading_past_a_log_entry_it_cannot_apply_serves_what_it_applied_and_says_why(tmp_path):
+    """A loading worker replays the log before its first request: an entry it cannot apply (here
+    a file that is no delta) must not stop it loading. It serves the entries before it and
+    reports the error in its state (``GET /freshness``)."""
+    path, _, buffers = _weights_file(tmp_path)
+    log = tmp_path / "log"
+    log.mkdir()
+    _write(log / "00000001.delta")
+    (log / "00000002.delta").write_bytes(b"not a delta file")
+    freshness = WorkerFreshness(tmp_path, SharedTables(tmp_path, path, hold=-1), LAYOUT, Pace())
+    (tmp_path / LOG_POINTER).write_bytes(orjson.dumps({"log": str(log)}))
+    freshness.dense = "no dense weights to follow"  # as start() sets it for a runner without any
+    freshness._prepare()
+    assert _table_a(buffers)[[3, 7, 9]].eq(5).all() and _table_a(buffers)[[2, 8]].eq(0).all()  # delta 1
+    state = freshness.state(log)
+    assert (state.applied_sequence, state.log_head) == (1, 2)
+    assert state.error is not None and "truncated, or not a delta file" in state.error, state.error
