@@ -152,18 +152,16 @@ def frame_read_us_per_request(traffic: Traffic, requests_per_message: int = 32, 
     headers ``wrk`` sends (Host, Authorization, Content-Type, Content-Length), written to a socket
     pair by another thread. The best of ``repeats`` passes over all of them."""
     n = len(traffic.bodies)
-    messages = [
-        inference_message([
-            FramedRequest(
-                f"{start + j:08d}-0000-4000-8000-000000000000".encode(),
-                {b"Host": b"127.0.0.1:8080", b"Authorization": b"Bearer 0123456789abcdef",
-                 b"Content-Type": b"application/json", b"Content-Length": str(len(body)).encode()},
-                [(b"body", b"application/json", body)],
-            )
-            for j, body in ((j, traffic.bodies[(start + j) % n]) for j in range(requests_per_message))
-        ])
-        for start in range(0, n, requests_per_message)
-    ]
+
+    def framed(index: int) -> FramedRequest:
+        body = traffic.bodies[index % n]
+        headers = {b"Host": b"127.0.0.1:8080", b"Authorization": b"Bearer 0123456789abcdef",
+                   b"Content-Type": b"application/json", b"Content-Length": str(len(body)).encode()}
+        return FramedRequest(f"{index:08d}-0000-4000-8000-000000000000".encode(), headers,
+                             [(b"body", b"application/json", body)])
+
+    messages = [inference_message([framed(start + j) for j in range(requests_per_message)])
+                for start in range(0, n, requests_per_message)]
     stream = b"".join(messages)
     readers: dict[str, Callable[[socket.socket], Callable[[], object]]] = {
         "torchserve": lambda connection: functools.partial(otf_message_handler.retrieve_msg, connection),
@@ -193,4 +191,3 @@ def frame_read_us_per_request(traffic: Traffic, requests_per_message: int = 32, 
         else:
             os.environ[_UNDECODED] = undecoded
     return best
-
