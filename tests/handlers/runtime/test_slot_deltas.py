@@ -6,8 +6,10 @@ map after a writer died; a delta that would give an id two slots refused at publ
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 import torch
 
@@ -19,7 +21,11 @@ from handlers.runtime.freshness import follower as follower_module
 from handlers.runtime.freshness.applier import AppliedState
 from handlers.runtime.freshness.follower import LogFollower
 from handlers.runtime.freshness.log import mark_rollback
+from handlers.runtime.archive_files import LOG_POINTER
+from handlers.runtime.freshness.protocol import PROTOCOL, reply_bytes
+from handlers.runtime.freshness.shared_tables import SharedTables
 from handlers.runtime.freshness.slot_writes import StagedMap, check_owners, stage
+from handlers.runtime.freshness.worker import WorkerFreshness
 from handlers.runtime.inputs import MCH_FREE_SLOT
 from handlers.runtime.slot_maps import owners_of, slot_map, slot_maps_in, with_owners
 
@@ -220,3 +226,29 @@ def test_a_rollback_cut_short_after_an_undo_goes_on_from_the_next(tmp_path, monk
     follower.catch_up(log, Pace())
     assert AppliedState.read(tmp_path).sequence == 0
     assert torch.equal(owners_of(writer.slot_map("r")), OWNERS)
+
+
+def test_a_publish_through_the_workers_call_is_checked_against_the_log_s_pending_deltas(tmp_path):
+    """The plugin's check call (what ``POST /freshness`` asks a worker before it logs a delta):
+    a 400 naming ``tables.r.owners`` for a delta that gives a kept id a second slot, unless a
+    delta already in the log, not yet applied, gives that slot away."""
+    path, _, writer = _weights_file(tmp_path)
+    log = tmp_path / "log"
+    log.mkdir()
+    (tmp_path / LOG_POINTER).write_bytes(orjson.dumps({"log": str(log)}))
+    freshness = WorkerFreshness(tmp_path, SharedTables(tmp_path, path, hold=-1), LAYOUT, Pace())
+    freshness.follower = LogFollower(tmp_path, LAYOUT, writer, freshness.lock, Pace())
+    freshness.dense = "no dense weights to follow"
+
+    def check(delta: Path) -> dict:
+        call = orjson.dumps({"protocol": PROTOCOL, "op": "check", "delta": str(delta)})
+        return orjson.loads(reply_bytes(call, freshness.answer))
+
+    def delta(name: str, sequence: int, slots: list[int], owners: list[int]) -> Path:
+        records = {"r": (slots, _row_bytes(np.ones(4 * len(slots))), owners)}
+        return _delta(tmp_path / name, records, sequence=sequence)
+
+    taken = check(delta("taken.delta", 1, [5], [int(OWNERS[3])]))  # OWNERS[3] keeps slot 3
+    assert taken["status"] == 400 and taken["error"]["field"] == "tables.r.owners", taken
+    (log / "00000001.delta").write_bytes(delta("frees.delta", 1, [3], [77]).read_bytes())  # logged, not applied
+    assert check(delta("then.delta", 2, [5], [int(OWNERS[3])]))["status"] == 200
