@@ -1,8 +1,11 @@
-"""A worker's answers to the plugin's freshness calls, and the writer's rollbacks, on delta logs
-made here."""
+"""A worker's answers to the plugin's freshness calls, the writer's rollbacks, and how its
+threads go on past errors (a bad mailbox, a log entry that cannot be applied), on delta logs made
+here."""
 
 from __future__ import annotations
 
+import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,7 @@ from handlers.runtime.freshness.follower import LogFollower
 from handlers.runtime.freshness.log import ROLLBACK_MARK
 from handlers.runtime.freshness.protocol import PROTOCOL, reply_bytes
 from handlers.runtime.freshness.shared_tables import SharedTables
+from handlers.runtime.freshness import worker
 from handlers.runtime.freshness.worker import WorkerFreshness
 from tests.handlers.runtime.test_delta_files import LAYOUT, TABLES, _rows, _table_a, _weights_file, _write
 
@@ -103,3 +107,30 @@ def test_a_worker_loading_past_a_log_entry_it_cannot_apply_serves_what_it_applie
     state = freshness.state(log)
     assert (state.applied_sequence, state.log_head) == (1, 2)
     assert state.error is not None and "truncated, or not a delta file" in state.error, state.error
+
+
+def test_a_log_entry_failing_the_same_way_again_is_logged_once_and_retried_less_often(tmp_path, monkeypatch, caplog):
+    """The follower thread tries the log every ``FOLLOW_EVERY_S``; an entry that fails the same
+    way twice is tried again only after ``RETRY_AFTER_S`` (each try of a raw-id section rebuilds
+    a table's slot map) and logged once; another error is logged again."""
+    errors = iter(["bad entry 2", "bad entry 2", "bad entry 2", "bad entry 3"])
+
+    class Follower:
+        def catch_up(self, log, pace) -> None:
+            message = next(errors, None)
+            if message is None:
+                raise _Stop
+            raise RuntimeError(message)
+
+    slept = []
+    worker_module = "handlers.runtime.freshness.worker"
+    monkeypatch.setattr(f"{worker_module}.lower_this_thread", lambda: None)  # not the test's own thread
+    monkeypatch.setattr(f"{worker_module}.log_of", lambda model_dir: tmp_path / "log")
+    monkeypatch.setattr(worker, "time", types.SimpleNamespace(sleep=slept.append, monotonic=time.monotonic))
+    freshness = WorkerFreshness.__new__(WorkerFreshness)
+    freshness.follower, freshness.error, freshness.pace, freshness.model_dir = Follower(), None, Pace(), tmp_path
+    with pytest.raises(_Stop):
+        freshness._follow()
+    follow, retry = worker.FOLLOW_EVERY_S, worker.RETRY_AFTER_S
+    assert slept == [follow, follow, retry, follow, retry, follow, follow]
+    assert caplog.text.count("applying the delta log") == 2 and freshness.error == "bad entry 3"
