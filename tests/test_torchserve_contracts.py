@@ -13,6 +13,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -146,3 +147,19 @@ def test_the_worker_loop_reads_each_message_through_its_module_global(monkeypatc
     monkeypatch.setenv("TS_DECODE_INPUT_REQUEST", "false")
     assert read_frames_buffered() is None
     assert model_service_worker.retrieve_msg is not otf_message_handler.retrieve_msg
+
+
+def test_a_message_of_an_unknown_command_is_refused_as_torchserve_refuses_it():
+    ours, theirs = socket.socketpair()
+    theirs.sendall(b"X" + inference_message([])[1:])
+    with pytest.raises(ValueError, match="Invalid command"):
+        FrameReader(ours).message()
+    ours.close()
+    theirs.close()
+
+
+def test_outside_a_torchserve_worker_the_reader_is_left_alone_and_says_why(monkeypatch):
+    """In a process that runs no worker loop (here: pytest), nothing is replaced."""
+    monkeypatch.setenv("TS_DECODE_INPUT_REQUEST", "false")
+    monkeypatch.delitem(sys.modules, "ts.model_service_worker", raising=False)
+    assert "worker loop" in read_frames_buffered()

@@ -48,7 +48,8 @@ class ManagedBags(nn.Module):
     state-dict names are those of TorchRec's ``McEmbeddingBagCollectionAdapter``, so a model
     trained with that adapter loads as it is. A table with ``unseen: zero`` has its default row
     (the last slot, where MCH maps unseen ids) held at zero: zeroed on load and before each
-    forward, so training never moves it and a quantized copy is exactly zero."""
+    forward, so every forward reads it as zero and a quantized copy is exactly zero (an optimizer
+    step after the last forward may move it; loading the checkpoint zeroes it again)."""
 
     def __init__(self, ebc: EmbeddingBagCollection, tables: Sequence[TableSpec], device: torch.device) -> None:
         super().__init__()

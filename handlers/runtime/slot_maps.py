@@ -47,9 +47,8 @@ def with_owners(owners_now: torch.Tensor, slots: torch.Tensor, owners: torch.Ten
     """The slot map after ``slots`` (int64 [n]) of a table whose slot owners are ``owners_now``
     (int64 [rows]; changed in place) change owner to ``owners`` (int64 [n]; ``MCH_FREE_SLOT``:
     freed). Raises ``ValueError`` when an id would own two slots."""
-    new = owners_now
-    new[slots] = owners
-    sorted_ids, order = slot_map(new)
+    owners_now[slots] = owners
+    sorted_ids, order = slot_map(owners_now)
     twice = torch.nonzero((sorted_ids[1:] == sorted_ids[:-1]) & (sorted_ids[1:] != MCH_FREE_SLOT)).flatten()
     if len(twice):
         raw_id = int(sorted_ids[twice[0]])

@@ -12,6 +12,7 @@ import torch
 from archive_tools.build import build_archive
 from archive_tools.model_config import ServingConfig
 from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.raw_ids import slot_owners
 from handlers.modeling.spec import ModelSpec
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.inputs import MCH_FREE_SLOT
@@ -103,10 +104,6 @@ def archives(trained, tmp_path_factory) -> dict[str, Path]:
         )
         for kind, (artifact, split) in kinds.items()
     }
-
-
-def slot_owners(model) -> dict[str, torch.Tensor]:
-    return model.sparse_arch.embedding_bag_collection.slot_owners()
 
 
 def owned_ids(model) -> dict[str, torch.Tensor]:

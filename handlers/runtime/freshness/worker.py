@@ -86,6 +86,8 @@ class WorkerFreshness:
         self.pace = pace
         self.mailbox = Mailbox(model_dir)
         self.lock = RowLock(self.folder)
+        # the calls thread's own open file: its unlock must not release the forwards' shared lock
+        self._checks_lock = RowLock(self.folder)
         self.follower: LogFollower | None = None  # every worker may become the writer: made at start
         self.dense: DenseFollower | str = "the model is not loaded yet"  # or why it cannot swap dense weights
         self.tables_pinned: bool | None = None  # this process's mappings of the copy all mapped, locked
@@ -267,9 +269,13 @@ class WorkerFreshness:
         if header.sequence != head + 1:
             raise DeltaError("delta.sequence", f"must be {head + 1} (the log's next), got {header.sequence}")
         delta = read_delta(path, self.layout)  # every section: table, dtype, dim, checksum, ids
-        if self.follower is not None and any(t.owners for t in delta.header.tables):  # (mapped tables: once loaded)
+        if any(t.owners for t in delta.header.tables):
+            if self.follower is None:  # its tables and slot maps are mapped once it has loaded
+                raise Conflict("delta: this worker is still loading the tables; publish again once it is ready", "delta")
             applied = AppliedState.read(self.folder).sequence
-            check_owners(self.follower.writer, delta, [read_delta(entries[s], self.layout) for s in range(applied + 1, head + 1)])
+            pending = [read_delta(entries[s], self.layout) for s in range(applied + 1, head + 1)]
+            with self._checks_lock.reading():  # not while a writer copies a map's span
+                check_owners(self.follower.writer, delta, pending)
         if header.dense is not None:
             if isinstance(self.dense, str):
                 raise DeltaError("dense", f"this archive cannot swap dense weights: {self.dense}")

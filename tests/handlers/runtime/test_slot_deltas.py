@@ -230,14 +230,14 @@ def test_a_rollback_cut_short_after_an_undo_goes_on_from_the_next(tmp_path, monk
 
 def test_a_publish_through_the_workers_call_is_checked_against_the_log_s_pending_deltas(tmp_path):
     """The plugin's check call (what ``POST /freshness`` asks a worker before it logs a delta):
-    a 400 naming ``tables.r.owners`` for a delta that gives a kept id a second slot, unless a
-    delta already in the log, not yet applied, gives that slot away."""
+    a 409 while the worker is still loading its tables, then a 400 naming ``tables.r.owners``
+    for a delta that gives a kept id a second slot, unless a delta already in the log, not yet
+    applied, gives that slot away."""
     path, _, writer = _weights_file(tmp_path)
     log = tmp_path / "log"
     log.mkdir()
     (tmp_path / LOG_POINTER).write_bytes(orjson.dumps({"log": str(log)}))
     freshness = WorkerFreshness(tmp_path, SharedTables(tmp_path, path, hold=-1), LAYOUT, Pace())
-    freshness.follower = LogFollower(tmp_path, LAYOUT, writer, freshness.lock, Pace())
     freshness.dense = "no dense weights to follow"
 
     def check(delta: Path) -> dict:
@@ -248,7 +248,10 @@ def test_a_publish_through_the_workers_call_is_checked_against_the_log_s_pending
         records = {"r": (slots, _row_bytes(np.ones(4 * len(slots))), owners)}
         return _delta(tmp_path / name, records, sequence=sequence)
 
-    taken = check(delta("taken.delta", 1, [5], [int(OWNERS[3])]))  # OWNERS[3] keeps slot 3
+    loading = check(delta("taken.delta", 1, [5], [int(OWNERS[3])]))  # its slot maps are not mapped yet
+    assert loading["status"] == 409 and "still loading" in loading["error"]["message"], loading
+    freshness.follower = LogFollower(tmp_path, LAYOUT, writer, freshness.lock, Pace())
+    taken = check(tmp_path / "taken.delta")  # OWNERS[3] keeps slot 3
     assert taken["status"] == 400 and taken["error"]["field"] == "tables.r.owners", taken
     (log / "00000001.delta").write_bytes(delta("frees.delta", 1, [3], [77]).read_bytes())  # logged, not applied
     assert check(delta("then.delta", 2, [5], [int(OWNERS[3])]))["status"] == 200
