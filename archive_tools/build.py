@@ -54,6 +54,7 @@ from handlers.runtime.archive_files import WEIGHTS
 from handlers.runtime.artifacts import Artifact
 from handlers.runtime.errors import InputError
 from handlers.runtime.options import HandlerOptions
+from handlers.runtime.slot_maps import owners_of
 from handlers.runtime.split import SplitPlan
 
 
@@ -83,7 +84,7 @@ def build_archive(
         with tempfile.TemporaryDirectory(prefix=f"{name}-archive-") as tmp:
             staging = Path(tmp) / "extra"
             stage_files(staging, spec, factory, weights, carry_code=_runs_modules(artifact, split))
-            owned_ids = {t: ids for t, (ids, _) in weights.slot_maps.items()}  # what generated validation draws
+            owned_ids = {t: owners_of(m) for t, m in weights.slot_maps.items()}  # what generated validation draws
             del weights  # a file-backed copy exists now; the reference model keeps what it needs
             weights_bytes = (staging / WEIGHTS).stat().st_size
             reference = reference_service(spec, factory, float_model, staging)

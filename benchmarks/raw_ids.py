@@ -58,7 +58,7 @@ from handlers.modeling.registry import load_spec
 from handlers.modeling.spec import ModelSpec
 from handlers.runtime.archive_files import WEIGHTS, aoti_weights_file
 from handlers.runtime.inputs import MCH_FREE_SLOT
-from handlers.runtime.slot_maps import slot_maps_in
+from handlers.runtime.slot_maps import SlotMap, owners_of, slot_maps_in
 
 NOT_MEASURED = {"remap_us_per_4k_ids_zch": "zero-collision hashing (remap kind zch) is not served yet"}
 
@@ -155,18 +155,15 @@ def weights_file(archive: Path) -> Path:
 
 
 def raw_traffic(
-    rows: Traffic, raw_spec: ModelSpec, maps: dict[str, tuple[torch.Tensor, torch.Tensor]], unseen_share: float, seed: int
+    rows: Traffic, raw_spec: ModelSpec, maps: dict[str, SlotMap], unseen_share: float, seed: int
 ) -> tuple[Traffic, list[int]]:
     """``rows``'s requests with each row id replaced by the raw id that owns that row (a free
     row's, or ``unseen_share`` of all, by a random id no table has seen); and how many ids of
     each request are unseen."""
     rng = np.random.default_rng(seed)
     table_of = {f: t.name for t in raw_spec.tables for f in t.features}
-    owners = {}
-    for table, (sorted_ids, slots) in maps.items():
-        owner = np.full(len(slots), MCH_FREE_SLOT, dtype=np.int64)
-        owner[slots.numpy()] = sorted_ids.numpy()
-        owners[table] = owner
+    owners = {table: owners_of(served).numpy() for table, served in maps.items()}
+    owned = {table: np.sort(ids[ids != MCH_FREE_SLOT]) for table, ids in owners.items()}
     bodies, unseen = [], []
     for body in rows.bodies:
         request, count = orjson.loads(body), 0
@@ -174,7 +171,7 @@ def raw_traffic(
             for feature, ids in item["sparse"].items():
                 raw = owners[table_of[feature]][np.asarray(ids, dtype=np.int64)]
                 fresh = (raw == MCH_FREE_SLOT) | (rng.random(len(raw)) < unseen_share)
-                raw[fresh] = _unseen_ids(int(fresh.sum()), maps[table_of[feature]][0], rng)
+                raw[fresh] = _unseen_ids(int(fresh.sum()), owned[table_of[feature]], rng)
                 item["sparse"][feature] = raw.tolist()
                 count += int(fresh.sum())
         bodies.append(orjson.dumps(request))
@@ -182,9 +179,8 @@ def raw_traffic(
     return Traffic(bodies=bodies, items=list(rows.items)), unseen
 
 
-def _unseen_ids(count: int, sorted_ids: torch.Tensor, rng: np.random.Generator) -> np.ndarray:
-    """``count`` random int64 ids that own no slot of the table (checked against its map)."""
-    owned = sorted_ids.numpy()
+def _unseen_ids(count: int, owned: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``count`` random int64 ids that own no slot of the table (``owned``: its owners, sorted)."""
     ids = rng.integers(-(2**63), MCH_FREE_SLOT, size=count, dtype=np.int64)
     while True:
         taken = owned[np.minimum(np.searchsorted(owned, ids), len(owned) - 1)] == ids

@@ -47,14 +47,14 @@ def swap_figures(archive: Path, weights_file: Path, table: str, evictions: int, 
     rng = np.random.default_rng(seed)
     records = np.empty(evictions, record_dtype(served.row_bytes, owners=True))
     records["id"] = np.sort(rng.choice(served.rows - 1, evictions, replace=False))
-    records["owner"] = _new_ids(evictions, maps[table][0].numpy(), rng)
+    records["owner"] = _new_ids(evictions, np.sort(owners_of(maps[table]).numpy()), rng)
     records["row"] = writer.rows(table, records["id"])
     with tempfile.TemporaryDirectory(prefix="swap-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as folder:
         started = time.perf_counter()
         staged = stage(writer, table, records, key="swap")
         staged.save(Path(folder) / "staged-map.pt")  # as the writer keeps it beside the working copy
         writer.touch(table, records["id"])  # as an unpinned writer does (slot_writes.write_slots)
-        writer.touch_map(table, staged.start, len(staged.sorted_ids))
+        writer.touch_map(table, staged.start, staged.length)
         staged_at = time.perf_counter()
         with RowLock(Path(folder)).writing():
             writer.write(table, records, staged)

@@ -41,7 +41,7 @@ from torch import nn
 
 from handlers.modeling.embedding_modules import EmbeddingTables
 from handlers.modeling.errors import SpecError
-from handlers.modeling.remap_spec import IdSpace
+from handlers.modeling.remap_spec import RESERVED_RAW_ID, IdSpace
 from handlers.modeling.spec import ModelSpec, Pooling
 from handlers.runtime.inputs import MCH_FREE_SLOT, BatchKind, Feature, InputSchema, InputTag
 
@@ -179,7 +179,8 @@ def _features(spec: Any) -> dict[str, Feature]:
             cap = table.max_sequence_length or spec.limits.max_ids_per_bag
         for name in table.features:
             raw = table.name if table.ids == IdSpace.RAW else None
-            found[name] = Feature(name, table.rows, cap, table.name if table.pruned_to else None, raw)
+            reserved = None if table.remap is None else RESERVED_RAW_ID[table.remap.kind]
+            found[name] = Feature(name, table.rows, cap, table.name if table.pruned_to else None, raw, reserved)
     return found
 
 

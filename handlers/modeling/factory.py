@@ -133,7 +133,7 @@ class DLRMFactory:
                 module.embedding_specs, module.split_embedding_weights()
             ):
                 fill_random_table(values, scale_bias, sparse_type, generator)
-        maps = {t.name: raw_ids.random_slot_map(t.rows, generator) for t in self.spec.tables if t.remap}
+        maps = {t.name: raw_ids.random_slot_map(t, generator) for t in self.spec.tables if t.remap}
         tables = _table_views(model)
         for table in self.spec.tables:
             if table.remap is not None and table.remap.unseen == Unseen.ZERO:  # a zero row: scale and bias 0

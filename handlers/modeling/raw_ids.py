@@ -3,29 +3,33 @@ collisions, and the served one that maps raw ids to slots in the graph, exactly 
 eval remap does.
 
 A raw-id table's state, besides its rows, is which raw id owns each slot (row): its slot owners,
-int64 [rows], ``MCH_FREE_SLOT`` where none does; kept as a slot map (``handlers.runtime.slot_maps``: the
-owners sorted, and the slot of each), the form the remap searches, which workers map from the
-weights file and use in place.
+int64 [rows], ``MCH_FREE_SLOT`` where none does; kept as a slot map (``handlers.runtime.slot_maps``:
+an MCH table's owners sorted with the slot of each, a ZCH table's identities), the form the remap
+searches, which workers map from the weights file and use in place.
 
-    float:   ManagedBags(tables)                 # KJT of raw ids -> KeyedTensor (trains, remaps)
+    float:   ManagedBags(tables)                 # KJT of raw ids -> KeyedTensor (remaps, MCH trains)
     served:  RawIdBags(quantized_ebc, tables)    # the same, on the quantized tables
-             served.load_slot_maps({"t_user": slot_map(owners)})
+             served.load_slot_maps(slot_maps(float_model))
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
-from handlers.modeling.remap_spec import MchEviction, Unseen
+from handlers.modeling import tbe
+from handlers.modeling.remap_spec import MchEviction, RemapKind, Unseen
 from handlers.modeling.spec import TableSpec
-from handlers.modeling.tbe import managed_collision_parts, mch_slot_owners
-from handlers.runtime.inputs import MCH_FREE_SLOT
-from handlers.runtime.slot_maps import SlotMap, slot_map
+from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
+from handlers.runtime.quiet import quieter
+from handlers.runtime.slot_maps import SlotMap, hash_map, owners_of, slot_map
 
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor  # isort: skip
+from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule  # isort: skip
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection  # isort: skip
 from torchrec.modules.mc_modules import (  # isort: skip
     DistanceLFU_EvictionPolicy,
@@ -43,8 +47,10 @@ _EVICTION = {
 
 
 class ManagedBags(nn.Module):
-    """The float, trainable collection of raw-id tables: TorchRec's managed-collision EBC (one MCH
-    module per table), answering a ``KeyedTensor`` as an ``EmbeddingBagCollection`` does. Its
+    """The float collection of raw-id tables: TorchRec's managed-collision EBC (one MCH or ZCH
+    module per table), answering a ``KeyedTensor`` as an ``EmbeddingBagCollection`` does. MCH
+    trains on CPU; ZCH's modules are built for inference (FBGEMM's CPU kernel only looks up: a
+    ZCH table's slots come from a checkpoint trained on GPU, its metadata dropped on load). Its
     state-dict names are those of TorchRec's ``McEmbeddingBagCollectionAdapter``, so a model
     trained with that adapter loads as it is. A table with ``unseen: zero`` has its default row
     (the last slot, where MCH maps unseen ids) held at zero: zeroed on load and before each
@@ -53,15 +59,8 @@ class ManagedBags(nn.Module):
 
     def __init__(self, ebc: EmbeddingBagCollection, tables: Sequence[TableSpec], device: torch.device) -> None:
         super().__init__()
-        remaps = {}
-        for table in tables:
-            assert table.remap is not None, "ManagedBags holds raw-id tables only"
-            remaps[table.name] = MCHManagedCollisionModule(
-                zch_size=table.rows,
-                device=device,
-                eviction_policy=_EVICTION[table.remap.eviction](),
-                eviction_interval=table.remap.eviction_interval,
-            )
+        remaps = {t.name: _remap_module(t, device) for t in tables}
+        self._hashed = {t.name for t in tables if t.remap.kind == RemapKind.ZCH}  # type: ignore[union-attr]
         configs = ebc.embedding_bag_configs()
         self.mc_embedding_bag_collection = ManagedCollisionEmbeddingBagCollection(
             ebc, ManagedCollisionCollection(remaps, configs), return_remapped_features=False
@@ -73,15 +72,25 @@ class ManagedBags(nn.Module):
 
     @property
     def bags(self) -> EmbeddingBagCollection:
-        return managed_collision_parts(self.mc_embedding_bag_collection)[0]
+        return tbe.managed_collision_parts(self.mc_embedding_bag_collection)[0]
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self.bags.embedding_bag_configs()
 
     def slot_owners(self) -> dict[str, torch.Tensor]:
-        """Each table's slot owners, as its MCH module holds them now."""
-        _, remaps = managed_collision_parts(self.mc_embedding_bag_collection)
-        return {name: mch_slot_owners(module) for name, module in remaps.items()}
+        """Each table's slot owners, as its remap module holds them now."""
+        _, remaps = tbe.managed_collision_parts(self.mc_embedding_bag_collection)
+        return {
+            name: owners_of((tbe.zch_identities(module),)) if name in self._hashed else tbe.mch_slot_owners(module)
+            for name, module in remaps.items()
+        }
+
+    def slot_maps(self) -> dict[str, SlotMap]:
+        """Each table's slot map, in the form its served remap searches."""
+        return {
+            name: hash_map(owners) if name in self._hashed else slot_map(owners)
+            for name, owners in self.slot_owners().items()
+        }
 
     def zero_unseen_rows(self) -> None:
         """The default rows of ``unseen: zero`` tables, zeroed."""
@@ -131,6 +140,42 @@ class SlotRemap(nn.Module):
         return torch.where(owned, self.slots[found], self.default_slot)
 
 
+class HashRemap(nn.Module):
+    """One ZCH table's raw id -> slot map, as TorchRec's zero-collision hashing computes it in
+    eval: an id's slot is the first of its probe sequence (from its hash, within its bucket) that
+    holds it, any other id gets the slot its probing started at. ``identities``: the raw id in each
+    slot (``ZCH_EMPTY_SLOT``: none); ``unseen`` / ``lookups`` as ``SlotRemap``'s."""
+
+    def __init__(self, rows: int, max_probe: int, buckets: int) -> None:
+        super().__init__()
+        self.register_buffer("identities", torch.full((rows,), ZCH_EMPTY_SLOT, dtype=torch.int64))
+        for counter in ("unseen", "lookups"):
+            self.register_buffer(counter, torch.zeros((), dtype=torch.int64), persistent=False)
+        self.max_probe, self.buckets, self.bucket_rows = max_probe, buckets, rows // buckets
+
+    def load(self, slot_map: SlotMap) -> None:
+        """Serves ``slot_map``, ``(identities,)`` (used in place)."""
+        (identities,) = slot_map
+        if identities.shape != self.identities.shape or identities.dtype != torch.int64:
+            raise ValueError(
+                f"a slot map's identities must be int64 [{self.identities.shape[0]}], "
+                f"got {identities.dtype} {list(identities.shape)}"
+            )
+        self.identities = identities
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Raw ids int64 [V] -> slots int64 [V]."""
+        if self.buckets == 1:
+            slots = tbe.zch_slots(ids, self.identities, self.max_probe)
+        else:  # as TorchRec's TrainInputMapper: bucket id mod buckets, each bucket_rows slots
+            starts = torch.remainder(ids, self.buckets) * self.bucket_rows
+            slots = tbe.zch_slots(ids, self.identities, self.max_probe, torch.full_like(ids, self.bucket_rows), starts)
+        owned = self.identities[slots] == ids
+        self.unseen.add_(owned.numel() - owned.sum())
+        self.lookups.add_(owned.numel())
+        return slots
+
+
 class RawIdBags(nn.Module):
     """The served collection of raw-id tables: each feature's raw ids through its table's
     ``SlotRemap``, then the quantized bags. ``raw_id_remaps`` are filled by
@@ -139,7 +184,7 @@ class RawIdBags(nn.Module):
     def __init__(self, bags: nn.Module, tables: Sequence[TableSpec]) -> None:
         super().__init__()
         self.bags = bags
-        self.raw_id_remaps = nn.ModuleDict({t.name: SlotRemap(t.rows) for t in tables})  # inputs.SLOT_MAPS
+        self.raw_id_remaps = nn.ModuleDict({t.name: served_remap(t) for t in tables})  # inputs.SLOT_MAPS
         self._table_of = {f: t.name for t in tables for f in t.features}
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
@@ -177,7 +222,11 @@ def slot_owners(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def slot_maps(model: nn.Module) -> dict[str, SlotMap]:
     """Every raw-id table's slot map in a float model (none: ``{}``)."""
-    return {name: slot_map(owners) for name, owners in slot_owners(model).items()}
+    return {
+        name: served
+        for module in model.modules() if isinstance(module, ManagedBags)
+        for name, served in module.slot_maps().items()
+    }
 
 
 def load_slot_maps(model: nn.Module, maps: Mapping[str, SlotMap]) -> None:
@@ -187,13 +236,73 @@ def load_slot_maps(model: nn.Module, maps: Mapping[str, SlotMap]) -> None:
             module.load_slot_maps(maps)
 
 
-def random_slot_map(rows: int, generator: torch.Generator) -> SlotMap:
-    """Distinct random raw ids over the whole int64 range owning all slots but the last (left
-    free, as training leaves it until the table is full), slot k to the k-th smallest: for models
-    built without a checkpoint."""
+def random_slot_map(table: TableSpec, generator: torch.Generator) -> SlotMap:
+    """A slot map of distinct random raw ids over the whole int64 range, for models built without
+    a checkpoint. MCH: every slot but the last owned (left free, as training leaves it until the
+    table is full), slot k by the k-th smallest id; ZCH: as many ids as slots inserted by
+    ``zch_insert`` (those whose probing finds no free slot left out)."""
+    rows = table.rows
     drawn = torch.randint(-(2**63), MCH_FREE_SLOT, (rows - 1,), generator=generator, dtype=torch.int64)
     # a repeat among 2^64 values is rare; each one found is drawn again
     while len(unique := torch.unique(drawn)) < len(drawn):
         extra = torch.randint(-(2**63), MCH_FREE_SLOT, (len(drawn) - len(unique),), generator=generator)
         drawn = torch.cat([unique, extra])
+    if table.remap.kind == RemapKind.ZCH:  # type: ignore[union-attr]
+        identities = torch.full((rows,), ZCH_EMPTY_SLOT, dtype=torch.int64)
+        zch_insert(identities, unique[unique != ZCH_EMPTY_SLOT], table.remap.max_probe, table.remap.buckets)  # type: ignore[union-attr]
+        return (identities,)
     return torch.cat([unique, torch.tensor([MCH_FREE_SLOT])]), torch.arange(rows, dtype=torch.int64)
+
+
+def zch_insert(identities: torch.Tensor, ids: torch.Tensor, max_probe: int, buckets: int) -> int:
+    """Inserts raw ``ids`` (int64 [n], distinct) into a ZCH table's ``identities`` (int64 [rows],
+    changed in place) as its training's probing does: each id takes the first slot of its probe
+    sequence that is free or already its own, an earlier id before a later one; an id that finds
+    none within ``max_probe`` slots is left out. Returns how many ids are in the table after."""
+    rows = len(identities)
+    bucket_rows = rows // buckets
+    starts = torch.remainder(ids, buckets) * bucket_rows
+    empty = torch.full_like(identities, ZCH_EMPTY_SLOT)  # on an empty table the lookup answers the first probe
+    first = tbe.zch_slots(ids, empty, 1, torch.full_like(ids, bucket_rows), starts) - starts
+    pending = torch.arange(len(ids))
+    for step in range(max_probe):
+        if not len(pending):
+            break
+        slots = starts[pending] + torch.remainder(first[pending] + step, bucket_rows)
+        held = identities[slots]
+        placed = held == ids[pending]
+        free = torch.nonzero(held == ZCH_EMPTY_SLOT).flatten()
+        claimed, earliest = np.unique(slots[free].numpy(), return_index=True)  # the earliest id claims a slot
+        winners = free[torch.from_numpy(earliest)]
+        identities[torch.from_numpy(claimed)] = ids[pending[winners]]
+        placed[winners] = True
+        pending = pending[~placed]
+    return int((identities != ZCH_EMPTY_SLOT).sum())
+
+
+def _remap_module(table: TableSpec, device: torch.device) -> nn.Module:
+    """TorchRec's remap module for a raw-id table of a float model."""
+    remap = table.remap
+    assert remap is not None, "ManagedBags holds raw-id tables only"
+    if remap.kind == RemapKind.ZCH:
+        with quieter("torchrec"), warnings.catch_warnings():  # it logs its settings; warns of a tensor copy
+            warnings.simplefilter("ignore", UserWarning)
+            return HashZchManagedCollisionModule(
+                zch_size=table.rows, device=device, total_num_buckets=remap.buckets, max_probe=remap.max_probe,
+                is_inference=True,
+            )
+    return MCHManagedCollisionModule(
+        zch_size=table.rows,
+        device=device,
+        eviction_policy=_EVICTION[remap.eviction](),
+        eviction_interval=remap.eviction_interval,
+    )
+
+
+def served_remap(table: TableSpec) -> nn.Module:
+    """The served remap of a raw-id table (``load`` gives it its slot map)."""
+    remap = table.remap
+    assert remap is not None, "RawIdBags holds raw-id tables only"
+    if remap.kind == RemapKind.ZCH:
+        return HashRemap(table.rows, remap.max_probe, remap.buckets)
+    return SlotRemap(table.rows)

@@ -1,23 +1,29 @@
 """How a raw-id table maps 64-bit feature ids to its rows: a table's ``remap`` section.
 
 A table with ``ids: raw`` takes any int64 id (user, item or ad ids, hashes of strings) and
-TorchRec's managed collisions give each id it has seen a slot (a row); an id it has not seen
-looks up the table's default row. Example::
+TorchRec's managed collisions give each id it has seen a slot (a row). Examples::
 
     tables:
       - {name: t_user, rows: 100000, dim: 64, features: [user_id], ids: raw,
          remap: {kind: mch, eviction: lfu, eviction_interval: 1}}
+      - {name: t_item, rows: 100000, dim: 64, features: [item_id], ids: raw,
+         remap: {kind: zch, max_probe: 128, buckets: 1}}
 
 ``kind: mch`` is TorchRec's ``MCHManagedCollisionModule`` (sorted raw ids; its eviction policy and
-interval are the training's: they decide which of its state a checkpoint holds); ``unseen``
-is what an id the model has not seen scores with.
+interval are the training's: they decide which of its state a checkpoint holds); ``kind: zch`` its
+``HashZchManagedCollisionModule`` (zero-collision hashing: an id's slot is found by probing from
+its hash, at most ``max_probe`` slots, within its bucket, ``id mod buckets``). ``unseen`` is what
+an id the model has not seen scores with.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictInt, model_serializer, model_validator
+
+from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 
 
 class IdSpace(str, enum.Enum):
@@ -33,6 +39,10 @@ class RemapKind(str, enum.Enum):
     ZCH = "zch"  # TorchRec's HashZchManagedCollisionModule: zero-collision hashing
 
 
+# the raw id each kind marks a free slot with: its tables' features refuse it
+RESERVED_RAW_ID = {RemapKind.MCH: MCH_FREE_SLOT, RemapKind.ZCH: ZCH_EMPTY_SLOT}
+
+
 class MchEviction(str, enum.Enum):
     """The MCH eviction policy the table was trained with (its state's metadata follows it)."""
 
@@ -42,12 +52,19 @@ class MchEviction(str, enum.Enum):
 
 
 class Unseen(str, enum.Enum):
-    """What an id the model has not seen looks up: the table's default row (MCH's reserved last
-    slot, trained on every id outside the table), or a zero row (that slot held at zero: the id
-    adds nothing to a sum; a mean still counts it)."""
+    """What an id the model has not seen looks up. mch: the table's default row (its reserved
+    last slot, trained on every id outside the table), or a zero row (that slot held at zero: the
+    id adds nothing to a sum; a mean still counts it). zch has no reserved slot: an unseen id looks
+    up the slot its probing starts at (``probe_slot``, TorchRec's eval behaviour), another id's row
+    or a never-assigned one."""
 
     DEFAULT_ROW = "default_row"
     ZERO = "zero"
+    PROBE_SLOT = "probe_slot"
+
+
+_SETTINGS = {RemapKind.MCH: {"eviction", "eviction_interval"}, RemapKind.ZCH: {"max_probe", "buckets"}}
+_UNSEEN = {RemapKind.MCH: (Unseen.DEFAULT_ROW, Unseen.ZERO), RemapKind.ZCH: (Unseen.PROBE_SLOT,)}
 
 
 class RemapSpec(BaseModel):
@@ -55,13 +72,35 @@ class RemapSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: RemapKind = Field(description="mch: TorchRec's MCH module (sorted raw ids, eviction by policy)")
+    kind: RemapKind = Field(description="mch: TorchRec's MCH module (sorted raw ids); zch: its zero-collision hashing")
     eviction: MchEviction = Field(MchEviction.LFU, description="mch: the eviction policy of the training")
     eviction_interval: StrictInt = Field(1, gt=0, description="mch: training steps between evictions")
-    unseen: Unseen = Field(Unseen.DEFAULT_ROW, description="what an id the model has not seen looks up")
+    max_probe: StrictInt = Field(128, gt=0, description="zch: the most slots probed for an id")
+    buckets: StrictInt = Field(1, gt=0, description="zch: the training's buckets (total_num_buckets); rows split evenly")
+    unseen: Unseen = Field(
+        None,  # type: ignore[arg-type]  filled by kind: mch default_row, zch probe_slot
+        description="what an id the model has not seen looks up: mch default_row (null: the default) or zero; zch probe_slot",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unseen_by_kind(cls, given: Any) -> Any:
+        if isinstance(given, dict) and given.get("unseen") is None and given.get("kind") in ("mch", "zch"):
+            return {**given, "unseen": _UNSEEN[RemapKind(given["kind"])][0]}
+        return given
+
+    @model_serializer(mode="wrap")
+    def _without_other_kinds_settings(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        other = next(k for k in RemapKind if k != self.kind)
+        return {k: v for k, v in handler(self).items() if k not in _SETTINGS[other]}
 
     @model_validator(mode="after")
-    def _served(self) -> "RemapSpec":
-        if self.kind != RemapKind.MCH:
-            raise ValueError(f"kind: {self.kind.value} tables are not served yet; mch is")
+    def _settings_of_its_kind(self) -> "RemapSpec":
+        other = next(k for k in RemapKind if k != self.kind)
+        foreign = sorted(_SETTINGS[other] & self.model_fields_set)
+        if foreign:
+            raise ValueError(f"{foreign[0]}: a setting of {other.value} tables, not {self.kind.value}")
+        if self.unseen not in _UNSEEN[self.kind]:
+            served = " or ".join(u.value for u in _UNSEEN[self.kind])
+            raise ValueError(f"unseen: {self.kind.value} tables serve {served}, not {self.unseen.value}")
         return self

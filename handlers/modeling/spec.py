@@ -152,6 +152,8 @@ class TableSpec(_Section):
             ):
                 if given:
                     raise ValueError(f"{key}: ids raw: {why}")
+            if self.rows % self.remap.buckets:
+                raise ValueError(f"remap.buckets: rows ({self.rows}) must split evenly into {self.remap.buckets} buckets")
         if self.max_sequence_length is not None and self.pooling != Pooling.NONE:
             raise ValueError("max_sequence_length: only for sequence tables (pooling: none)")
         per_byte = self.weight_dtype.values_per_byte

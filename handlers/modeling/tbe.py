@@ -15,9 +15,12 @@ Why each exists:
   AOTInductor.
 * ``name_table_buffers``: a TBE keeps its weights as plain attributes, which ``torch.export``
   lifts as anonymous constants; registered as buffers they keep stable names.
-* ``managed_collision_parts``, ``mch_slot_owners``: TorchRec's managed-collision EBC keeps its
-  EBC and its MCH modules as private attributes, and an MCH module which raw id owns each slot
-  only as two private buffers (its sorted raw ids, and each one's slot); there is no public reader.
+* ``managed_collision_parts``, ``mch_slot_owners``, ``zch_identities``: TorchRec's managed-collision
+  EBC keeps its EBC and its remap modules as private attributes, an MCH module which raw id owns
+  each slot only as two private buffers (its sorted raw ids, and each one's slot), and a ZCH
+  module as one (``_hash_zch_identities``); there is no public reader.
+* ``zch_slots``: FBGEMM's ``zero_collision_hash`` operator, the ZCH lookup TorchRec calls, whose
+  signature carries deprecated and training-only arguments: called here in its read-only form.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from torchrec.quant.embedding_modules import (  # isort: skip
 )
 from torchrec import EmbeddingBagCollection  # isort: skip
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection  # isort: skip
-from torchrec.modules.mc_modules import MCHManagedCollisionModule  # isort: skip
+from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule  # isort: skip
+from torchrec.modules.mc_modules import ManagedCollisionModule, MCHManagedCollisionModule  # isort: skip
 from torchrec.tensor_types import UInt2Tensor, UInt4Tensor  # isort: skip
 
 
@@ -178,8 +182,8 @@ def drop_table_views(model: nn.Module) -> None:
 
 def managed_collision_parts(
     module: ManagedCollisionEmbeddingBagCollection,
-) -> tuple[EmbeddingBagCollection, dict[str, MCHManagedCollisionModule]]:
-    """A managed-collision EBC's embedding bags, and its MCH module per table."""
+) -> tuple[EmbeddingBagCollection, dict[str, ManagedCollisionModule]]:
+    """A managed-collision EBC's embedding bags, and its remap module (MCH or ZCH) per table."""
     remaps = module._managed_collision_collection._managed_collision_modules
     return module._embedding_module, dict(remaps.items())  # type: ignore[return-value]
 
@@ -192,3 +196,26 @@ def mch_slot_owners(module: MCHManagedCollisionModule) -> torch.Tensor:
     owners[slots - module._output_global_offset] = sorted_ids
     return owners
 
+
+
+def zch_identities(module: HashZchManagedCollisionModule) -> torch.Tensor:
+    """A ZCH module's identities, the raw id in each slot: int64 [zch_size] (a view),
+    ``ZCH_EMPTY_SLOT`` where none is."""
+    return module._hash_zch_identities.data[:, 0]
+
+
+def zch_slots(
+    ids: torch.Tensor, identities: torch.Tensor, max_probe: int,
+    bucket_rows: torch.Tensor | None = None, bucket_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Raw ids int64 [V] -> slots int64 [V], as a ZCH module in eval finds them in ``identities``
+    (int64 [rows]): probing from each id's hash at most ``max_probe`` slots, circularly within its
+    bucket (``bucket_rows`` / ``bucket_starts``, int64 [V]: its bucket's size and first slot; None:
+    one bucket, the table), and where no slot holds the id, the slot its probing started at."""
+    # its meta kernel answers the input tensor itself as the slots: traced, the graph would take
+    # the slots for the ids from there on, so the operator gets a copy of them
+    slots, _ = torch.ops.fbgemm.zero_collision_hash(
+        ids.clone(), identities.view(-1, 1), max_probe, circular_probe=True, readonly=True,
+        local_sizes=bucket_rows, offsets=bucket_starts,
+    )
+    return slots

@@ -2,7 +2,7 @@
 and ``weights.pt``, the file that holds them.
 
 ``weights.pt`` is ``{"tbe.0": uint8 [host size], ..., "dense.<param>": tensor, ...,
-"slot_maps.<table>.sorted_ids" / ".slots": int64 [rows]}``: one flat buffer per table-batched
+"slot_maps.<table>.<part>": int64 [rows]}``: one flat buffer per table-batched
 module, exactly as FBGEMM lays it out in memory, so a worker memory-maps the file and runs its
 tables in place (page cache shared by every worker, no anonymous copy); and each raw-id table's
 slot map, which workers map and use in place too.
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from handlers.modeling.errors import CheckpointError
-from handlers.runtime.slot_maps import SlotMap, slot_maps_in
+from handlers.runtime.slot_maps import SlotMap, part_names, slot_maps_in
 
 from fbgemm_gpu.split_embedding_configs import SparseType  # isort: skip
 
@@ -46,8 +46,8 @@ def save_weights_file(
 ) -> None:
     flat = {f"tbe.{i}": b for i, b in enumerate(buffers)}
     flat.update({f"dense.{k}": v for k, v in dense.items()})
-    for table, (ids, slots) in slot_maps.items():
-        flat.update({f"slot_maps.{table}.sorted_ids": ids, f"slot_maps.{table}.slots": slots})
+    for table, parts in slot_maps.items():
+        flat.update({f"slot_maps.{table}.{name}": part for name, part in zip(part_names(parts), parts)})
     torch.save(flat, path)
 
 

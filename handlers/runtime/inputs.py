@@ -79,10 +79,13 @@ class Limits:
     max_items_per_forward: int = 4096
 
 
-# The raw id TorchRec's MCH module marks a free slot with (int64 max): a raw-id feature refuses it.
+# The raw id TorchRec's MCH module marks a free slot with (int64 max): an MCH table's feature refuses it.
 MCH_FREE_SLOT = (1 << 63) - 1
+# The raw id TorchRec's ZCH module (FBGEMM's zero_collision_hash) marks an empty slot with: a ZCH
+# table's feature refuses it (its lookup would find an empty slot as the id's).
+ZCH_EMPTY_SLOT = -1
 # The attribute under which a served raw-id collection keeps its tables' slot maps
-# (``handlers.modeling.raw_ids.RawIdBags``): ``raw_id_remaps.<table>.sorted_ids`` and ``.slots``.
+# (``handlers.modeling.raw_ids.RawIdBags``): ``raw_id_remaps.<table>.<part>`` (``slot_maps.SlotMap``).
 SLOT_MAPS = "raw_id_remaps"
 
 
@@ -101,14 +104,16 @@ class Feature:
     ``max_length``: the most ids of one sequence, for a feature of a sequence (unpooled) table,
     else None (bags: the limits' ``max_ids_per_bag``); ``pruned_table``: the table's name where
     it is pruned (some of its ids look up a zero row: ``handlers.runtime.pruned_ids``);
-    ``raw_id_table``: the table's name where its ids are raw int64 ids (any but ``MCH_FREE_SLOT``),
-    mapped to rows in the model (``handlers.runtime.unseen_ids``)."""
+    ``raw_id_table``: the table's name where its ids are raw int64 ids, mapped to rows in the
+    model (``handlers.runtime.unseen_ids``): any id but ``reserved_raw_id``, the one its remap
+    marks free slots with (``MCH_FREE_SLOT`` or ``ZCH_EMPTY_SLOT``)."""
 
     name: str
     rows: int
     max_length: int | None = None
     pruned_table: str | None = None
     raw_id_table: str | None = None
+    reserved_raw_id: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

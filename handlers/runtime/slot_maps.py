@@ -1,16 +1,19 @@
 """Slot maps: which raw id owns each slot (row) of a raw-id table, in the form the served remap
-searches (``handlers.modeling.raw_ids.SlotRemap``), and how a delta's new owners make a new one.
+searches (``handlers.modeling.raw_ids``), and how a delta's new owners make a new one.
 
 A table's slot owners are int64 [rows], row-aligned, ``MCH_FREE_SLOT`` where no id owns the slot.
-Its slot map is the owners sorted (free slots last) and the slot of each:
+An MCH table's slot map is the owners sorted (free slots last) and the slot of each; a ZCH table's
+is the owners as they are, row-aligned (its hash probing finds them), ``ZCH_EMPTY_SLOT`` where free:
 
     owners = torch.tensor([30, FREE, -7, 12])
     sorted_ids, slots = slot_map(owners)       # [-7, 12, 30, FREE], [2, 3, 0, 1]
-    owners_of((sorted_ids, slots))             # owners again
-    with_owners(owners_of((sorted_ids, slots)), torch.tensor([0]), torch.tensor([99]))   # slot 0: 99's
+    (identities,) = hash_map(owners)           # [30, -1, -7, 12]
+    owners_of((sorted_ids, slots))             # owners again; owners_of((identities,)) too
+    with_owners(owners_of(m), torch.tensor([0]), torch.tensor([99]), hashed=False)   # slot 0: 99's
 
-Served weights files hold a map's two tensors under ``slot_maps.<table>.sorted_ids`` / ``.slots``
-(``weights.pt``) or as a compiled graph's constants ``<module path>.raw_id_remaps.<table>.*``.
+Served weights files hold a map's tensors under ``slot_maps.<table>.<part>`` (``weights.pt``) or as
+a compiled graph's constants ``<module path>.raw_id_remaps.<table>.<part>``: parts ``sorted_ids``
+and ``slots`` (MCH), or ``identities`` (ZCH).
 """
 
 from __future__ import annotations
@@ -20,33 +23,55 @@ from typing import Mapping
 
 import torch
 
-from handlers.runtime.inputs import MCH_FREE_SLOT, SLOT_MAPS
+from handlers.runtime.inputs import MCH_FREE_SLOT, SLOT_MAPS, ZCH_EMPTY_SLOT
 
-# (sorted_ids int64 [rows], slots int64 [rows]): slot s's owner is sorted_ids[slots == s]
-SlotMap = tuple[torch.Tensor, torch.Tensor]
+# MCH: (sorted_ids int64 [rows], slots int64 [rows]), slot s's owner is sorted_ids[slots == s];
+# ZCH: (identities int64 [rows],), slot s's owner is identities[s]
+SlotMap = tuple[torch.Tensor, ...]
+SORTED_PARTS = ("sorted_ids", "slots")
+HASHED_PARTS = ("identities",)
 
-_MAP_KEY = re.compile(rf"(?:^slot_maps|\.{SLOT_MAPS})\.(?P<table>[^.]+)\.(?P<part>sorted_ids|slots)$")
+_MAP_KEY = re.compile(rf"(?:^slot_maps|\.{SLOT_MAPS})\.(?P<table>[^.]+)\.(?P<part>sorted_ids|slots|identities)$")
+
+
+def part_names(slot_map: SlotMap) -> tuple[str, ...]:
+    """The names of a slot map's tensors, in order."""
+    return HASHED_PARTS if is_hashed(slot_map) else SORTED_PARTS
+
+
+def is_hashed(slot_map: SlotMap) -> bool:
+    """Whether a slot map is a ZCH table's (row-aligned identities) rather than an MCH one's."""
+    return len(slot_map) == len(HASHED_PARTS)
 
 
 def slot_map(owners: torch.Tensor) -> SlotMap:
-    """Slot owners (int64 [rows], row-aligned) as a slot map; equal owners (free slots) in slot
-    order."""
+    """Slot owners (int64 [rows], row-aligned) as an MCH slot map; equal owners (free slots) in
+    slot order."""
     order = torch.argsort(owners, stable=True)
     return owners[order], order
 
 
+def hash_map(owners: torch.Tensor) -> SlotMap:
+    """Slot owners (int64 [rows], row-aligned) as a ZCH slot map: its identities."""
+    return (torch.where(owners == MCH_FREE_SLOT, ZCH_EMPTY_SLOT, owners),)
+
+
 def owners_of(slot_map: SlotMap) -> torch.Tensor:
     """A slot map's owners, int64 [rows], row-aligned."""
+    if is_hashed(slot_map):
+        (identities,) = slot_map
+        return torch.where(identities == ZCH_EMPTY_SLOT, MCH_FREE_SLOT, identities)
     sorted_ids, slots = slot_map
     owners = torch.empty_like(sorted_ids)
     owners[slots] = sorted_ids
     return owners
 
 
-def with_owners(owners_now: torch.Tensor, slots: torch.Tensor, owners: torch.Tensor) -> SlotMap:
-    """The slot map after ``slots`` (int64 [n]) of a table whose slot owners are ``owners_now``
-    (int64 [rows]; changed in place) change owner to ``owners`` (int64 [n]; ``MCH_FREE_SLOT``:
-    freed). Raises ``ValueError`` when an id would own two slots."""
+def with_owners(owners_now: torch.Tensor, slots: torch.Tensor, owners: torch.Tensor, hashed: bool) -> SlotMap:
+    """The slot map (ZCH's where ``hashed``, else MCH's) after ``slots`` (int64 [n]) of a table
+    whose slot owners are ``owners_now`` (int64 [rows]; changed in place) change owner to
+    ``owners`` (int64 [n]; ``MCH_FREE_SLOT``: freed). Raises ``ValueError`` when an id would own
+    two slots."""
     owners_now[slots] = owners
     sorted_ids, order = slot_map(owners_now)
     twice = torch.nonzero((sorted_ids[1:] == sorted_ids[:-1]) & (sorted_ids[1:] != MCH_FREE_SLOT)).flatten()
@@ -54,7 +79,7 @@ def with_owners(owners_now: torch.Tensor, slots: torch.Tensor, owners: torch.Ten
         raw_id = int(sorted_ids[twice[0]])
         held = order[sorted_ids == raw_id].tolist()
         raise ValueError(f"raw id {raw_id} would own slots {held}: an id owns one slot")
-    return sorted_ids, order
+    return hash_map(owners_now) if hashed else (sorted_ids, order)
 
 
 def slot_maps_in(weights: Mapping[str, torch.Tensor]) -> dict[str, SlotMap]:
@@ -64,7 +89,7 @@ def slot_maps_in(weights: Mapping[str, torch.Tensor]) -> dict[str, SlotMap]:
         match = _MAP_KEY.search(key)
         if match:
             parts.setdefault(match["table"], {})[match["part"]] = tensor
-    incomplete = sorted(t for t, p in parts.items() if len(p) != 2)
+    incomplete = sorted(t for t, p in parts.items() if set(p) not in (set(SORTED_PARTS), set(HASHED_PARTS)))
     if incomplete:
-        raise ValueError(f"the slot maps of tables {incomplete} lack sorted_ids or slots")
-    return {table: (p["sorted_ids"], p["slots"]) for table, p in parts.items()}
+        raise ValueError(f"the slot maps of tables {incomplete} hold neither sorted_ids and slots nor identities alone")
+    return {table: tuple(p[name] for name in (HASHED_PARTS if len(p) == 1 else SORTED_PARTS)) for table, p in parts.items()}

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from handlers.runtime.errors import BadRequest
-from handlers.runtime.inputs import MCH_FREE_SLOT, Feature, InputSchema, OutOfRangePolicy
+from handlers.runtime.inputs import Feature, InputSchema, OutOfRangePolicy
 
 FieldOf = Callable[[int, int, "int | None"], str]
 
@@ -44,12 +44,12 @@ class RequestChecks:
 class _IdChecks:
     """The checks of one jagged input's features: each one's cap (a sequence feature's
     ``max_length``, else ``max_ids_per_bag``) and its table's rows; a raw-id feature takes any
-    int64 id but MCH's free-slot marker (the model maps them to rows)."""
+    int64 id but the one its remap marks free slots with (the model maps them to rows)."""
 
     def __init__(self, features: Sequence[Feature], bag_cap: int, policy: OutOfRangePolicy) -> None:
         self.raw = np.asarray([f.raw_id_table is not None for f in features], dtype=bool)
-        # a raw id is never beyond its "rows" (the marker, the one id that would be, is refused first)
-        self.rows = np.asarray([MCH_FREE_SLOT if raw else f.rows for f, raw in zip(features, self.raw)], np.int64)
+        self.reserved = np.asarray([f.reserved_raw_id or 0 for f in features], np.int64)
+        self.rows = np.asarray([f.rows for f in features], np.int64)  # a raw-id feature's: not a bound
         self.caps = np.asarray([f.max_length or bag_cap for f in features], dtype=np.int64)
         self.smallest_cap = int(self.caps.min()) if len(features) else bag_cap
         self.sequences = [f.max_length is not None for f in features]
@@ -65,26 +65,27 @@ class _IdChecks:
                 f"{int(lengths[f, i])} ids exceed the limit of {cap} per {what}",
                 "too_large",
             )
-        negative = ids < 0
+        per_feature = lengths.sum(axis=1)
+        negative, beyond = ids < 0, ids >= np.repeat(self.rows, per_feature)
         if self.raw.any():
-            raw = np.repeat(self.raw, lengths.sum(axis=1))
-            reserved = raw & (ids == MCH_FREE_SLOT)
+            raw = np.repeat(self.raw, per_feature)
+            reserved = raw & (ids == np.repeat(self.reserved, per_feature))
             if reserved.any():
                 k = int(np.argmax(reserved))
                 raise BadRequest(
                     field_of(*bag_position(lengths, k)),
-                    f"raw id {MCH_FREE_SLOT} is reserved (managed collisions mark a free slot with it)",
+                    f"raw id {ids[k]} is reserved (the table's managed collisions mark a free slot with it)",
                     "id_out_of_range",
                 )
             negative &= ~raw
+            beyond &= ~raw
         if negative.any():
             k = int(np.argmax(negative))
             raise BadRequest(
                 field_of(*bag_position(lengths, k)), f"ids must be >= 0, got {ids[k]}", "id_out_of_range"
             )
-        rows = np.repeat(self.rows, lengths.sum(axis=1))
-        beyond = ids >= rows
         if beyond.any():
+            rows = np.repeat(self.rows, per_feature)
             if self.policy == OutOfRangePolicy.HASH:
                 return np.where(beyond, ids % rows, ids), int(beyond.sum())
             k = int(np.argmax(beyond))

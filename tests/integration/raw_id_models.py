@@ -1,6 +1,11 @@
 """The raw-id test models (``test_raw_ids``): the tiny spec with every table ``ids: raw`` (MCH,
-one eviction policy or another), trained on Zipf-distributed raw ids spread over the whole int64
-range, built into every artifact kind; and the same model trained on, with evictions."""
+one eviction policy or another, and t_item ZCH), trained on Zipf-distributed raw ids spread over
+the whole int64 range, built into every artifact kind; and the same model trained on, with
+evictions.
+
+FBGEMM's CPU kernel for ZCH only looks up, so t_item's slots are assigned as its training on a
+GPU would insert them (``zch_insert``, the most frequent ids first) and its lookups stay
+read-only while the other tables train."""
 
 from __future__ import annotations
 
@@ -12,27 +17,34 @@ import torch
 from archive_tools.build import build_archive
 from archive_tools.model_config import ServingConfig
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.raw_ids import slot_owners
+from handlers.modeling import tbe
+from handlers.modeling.raw_ids import slot_owners, zch_insert
 from handlers.modeling.spec import ModelSpec
 from handlers.runtime.artifacts import Artifact
-from handlers.runtime.inputs import MCH_FREE_SLOT
+from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 from handlers.runtime.split import SplitPlan
 from tests.helpers import items_request
 
 from torchrec import KeyedJaggedTensor  # isort: skip
+from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule  # isort: skip
 
-EVICTIONS = {"t_user": "lfu", "t_item": "lru", "t_category": "distance_lfu", "t_hour": "lfu"}
+REMAPS = {
+    "t_user": {"kind": "mch", "eviction": "lfu", "eviction_interval": 2},
+    "t_item": {"kind": "zch", "max_probe": 16, "buckets": 2},
+    "t_category": {"kind": "mch", "eviction": "distance_lfu", "eviction_interval": 2},
+    "t_hour": {"kind": "mch", "eviction": "lru", "eviction_interval": 2},
+}
 # t_hour's slot map is small enough (<= 8) that Inductor would compile it into code as a literal
 ROWS = {"t_user": 300, "t_item": 200, "t_category": 40, "t_hour": 6}
 VOCABULARY = 4000  # raw ids the training draws from (Zipf): more than any table has slots
+ZCH_INSERTED = 150  # the most frequent ids t_item's slots are given (of 200)
 EXTREMES = [MCH_FREE_SLOT - 1, -(2**63), 2**53 + 1, -(2**53) - 1, 0]  # each must arrive exactly
 
 
 def raw_spec(tiny_spec: ModelSpec) -> ModelSpec:
-    """tiny with every table's ids raw, one MCH eviction policy or another."""
+    """tiny with every table's ids raw: MCH with one eviction policy or another, t_item ZCH."""
     tables = [
-        {**t.model_dump(mode="json"), "rows": ROWS[t.name], "ids": "raw",
-         "remap": {"kind": "mch", "eviction": EVICTIONS[t.name], "eviction_interval": 2}}
+        {**t.model_dump(mode="json"), "rows": ROWS[t.name], "ids": "raw", "remap": REMAPS[t.name]}
         for t in tiny_spec.tables
     ]
     return tiny_spec.replace(name="tiny_raw", tables=tables)
@@ -58,13 +70,26 @@ def trained(tiny_spec, tmp_path_factory):
     generator = torch.Generator().manual_seed(0)
     vocabulary = torch.randint(-(2**63), MCH_FREE_SLOT, (VOCABULARY,), generator=generator)
     model = DLRMFactory(spec).float_model(seed=0)
+    insert_zch(model, vocabulary[:ZCH_INSERTED])
     train(model, spec, vocabulary, generator, steps=30)
     torch.save(model.state_dict(), folder / "checkpoint.pt")
     return spec, folder / "tiny_raw.yaml", model, folder / "checkpoint.pt"
 
 
+def insert_zch(model, ids: torch.Tensor, evict: int = 0) -> None:
+    """t_item's ZCH slots: ``evict`` of its owned slots freed (the first ones), then ``ids``
+    inserted through the probe sequence, as its training would."""
+    _, remaps = tbe.managed_collision_parts(model.sparse_arch.embedding_bag_collection.mc_embedding_bag_collection)
+    identities = tbe.zch_identities(remaps["t_item"])
+    identities[torch.nonzero(identities != ZCH_EMPTY_SLOT).flatten()[:evict]] = ZCH_EMPTY_SLOT
+    zch_insert(identities, ids, REMAPS["t_item"]["max_probe"], REMAPS["t_item"]["buckets"])
+
+
 def train(model, spec: ModelSpec, vocabulary: torch.Tensor, generator: torch.Generator, steps: int) -> None:
     model.train()
+    for module in model.modules():
+        if isinstance(module, HashZchManagedCollisionModule):
+            module.eval()  # FBGEMM's CPU kernel looks up only (its slots: insert_zch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(steps):
         dense, ids = zipf_batch(spec, vocabulary, generator)
@@ -79,13 +104,14 @@ def train(model, spec: ModelSpec, vocabulary: torch.Tensor, generator: torch.Gen
 @pytest.fixture(scope="module")
 def trained_on(trained):
     """(the model trained 20 steps more, on a vocabulary whose most frequent half is new: MCH
-    evicts ids and gives their slots to new ones; its checkpoint)."""
+    evicts ids and gives their slots to new ones, ZCH 40 evictions and 60 new ids; its checkpoint)."""
     spec, _, model, checkpoint = trained
     later = DLRMFactory(spec).float_model(seed=0)
     later.load_state_dict(torch.load(checkpoint, weights_only=True))
     generator = torch.Generator().manual_seed(2)
     fresh = torch.randint(-(2**63), MCH_FREE_SLOT, (VOCABULARY // 2,), generator=generator)
     old = torch.randint(-(2**63), MCH_FREE_SLOT, (VOCABULARY,), generator=torch.Generator().manual_seed(0))
+    insert_zch(later, fresh[:60], evict=40)
     train(later, spec, torch.cat([fresh, old[: VOCABULARY // 2]]), generator, steps=20)
     torch.save(later.state_dict(), checkpoint.with_name("checkpoint-2.pt"))
     return later, checkpoint.with_name("checkpoint-2.pt")

@@ -26,7 +26,7 @@ from benchmarks.traffic import TrafficModel
 from handlers.modeling import tbe
 from handlers.modeling.errors import SpecError
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.raw_ids import RawIdBags, SlotRemap, slot_owners
+from handlers.modeling.raw_ids import HashRemap, RawIdBags, SlotRemap, served_remap, slot_owners
 from handlers.modeling.registry import input_schema
 from handlers.runtime.archive import Archive
 from handlers.runtime.archive_files import LOG_POINTER
@@ -34,8 +34,8 @@ from handlers.runtime.artifacts import Artifact
 from handlers.runtime.errors import BadRequest, InputError
 from handlers.runtime.freshness.dense import dense_slot
 from handlers.runtime.freshness.worker import WorkerFreshness
-from handlers.runtime.inputs import MCH_FREE_SLOT
-from handlers.runtime.slot_maps import slot_maps_in
+from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
+from handlers.runtime.slot_maps import owners_of, slot_maps_in
 from handlers.runtime.wire.decoder import RequestDecoder
 from handlers.runtime.wire.messages import BinaryBody, Rejected
 from handlers.runtime.wire.v2_tensors import encode_request
@@ -55,14 +55,15 @@ from torchrec.sparse.jagged_tensor import JaggedTensor  # isort: skip
 pytestmark = pytest.mark.integration
 
 def test_the_remap_is_torchrecs_eval_remap_on_a_million_ids(trained):
-    """The served model's slot of every id equals TorchRec's MCH module's in eval, for ids it
-    owns slots for and ids it has never seen (half each), table by table."""
+    """The served model's slot of every id equals TorchRec's MCH or ZCH module's in eval, for ids
+    it owns slots for and ids it has never seen (half each), table by table."""
     spec, _, model, _ = trained
     factory = DLRMFactory(spec)
     served = factory.inference_model(factory.quantize(model))
     remaps = served.sparse_arch.embedding_bag_collection
     assert isinstance(remaps, RawIdBags)
-    _, mch_modules = tbe.managed_collision_parts(model.sparse_arch.embedding_bag_collection.mc_embedding_bag_collection)
+    _, modules = tbe.managed_collision_parts(model.sparse_arch.embedding_bag_collection.mc_embedding_bag_collection)
+    assert isinstance(remaps.raw_id_remaps["t_item"], HashRemap) and isinstance(remaps.raw_id_remaps["t_user"], SlotRemap)
     generator = torch.Generator().manual_seed(1)
     unseen_shares = {}
     for name, owned in owned_ids(model).items():
@@ -71,10 +72,12 @@ def test_the_remap_is_torchrecs_eval_remap_on_a_million_ids(trained):
         anywhere = torch.randint(-(2**63), MCH_FREE_SLOT, (500_000,), generator=generator)
         ids = torch.cat([seen, anywhere, torch.tensor(EXTREMES)])
         lengths = torch.ones(len(ids), dtype=torch.int64)
-        expected = mch_modules[name].remap({name: JaggedTensor(values=ids, lengths=lengths)})[name].values()
+        expected = modules[name].remap({name: JaggedTensor(values=ids, lengths=lengths)})[name].values()
         slots = remaps.raw_id_remaps[name](ids)
         assert torch.equal(slots, expected), name
-        unseen_shares[name] = float((slots[500_000:] == ROWS[name] - 1).float().mean())
+        unseen_shares[name] = float((slot_owners(model)[name][slots[500_000:]] != ids[500_000:]).float().mean())
+        unseen_slots = slots[500_000:].unique().numel()  # MCH: the default row; ZCH: where probing starts
+        assert unseen_slots == 1 if name != "t_item" else unseen_slots == ROWS[name], (name, unseen_slots)
     assert all(share > 0.99 for share in unseen_shares.values()), unseen_shares  # random ids are unseen
 
 
@@ -167,12 +170,17 @@ def test_raw_ids_arrive_exactly_and_the_free_slot_marker_is_refused(trained):
     ids = decoder.decode(orjson.dumps(request)).inputs.tensors["sparse_features"]
     user_ids = dict(zip(spec.feature_names, ids.per_feature()))["user_id"]
     assert user_ids.tolist() == EXTREMES  # no float round trip: 2^63-2 and 2^53+1 kept
-    for bad, problem in ((MCH_FREE_SLOT, "reserved"), (2**63, "out of int64 range"), (-(2**63) - 1, "within int64's range")):
-        request["items"][0]["sparse"]["user_id"] = [5, bad]
+    request["items"][0]["sparse"] = {"user_id": [ZCH_EMPTY_SLOT], "item_id": [MCH_FREE_SLOT]}  # each the other kind's marker
+    assert decoder.decode(orjson.dumps(request)).inputs.tensors["sparse_features"].values.tolist() == [
+        ZCH_EMPTY_SLOT, MCH_FREE_SLOT]
+    for feature, bad, problem in (("user_id", MCH_FREE_SLOT, f"raw id {MCH_FREE_SLOT} is reserved"),
+                                  ("item_id", ZCH_EMPTY_SLOT, "raw id -1 is reserved"),
+                                  ("user_id", 2**63, "out of int64 range"), ("item_id", -(2**63) - 1, "within int64's range")):
+        request["items"][0]["sparse"] = {feature: [5, bad]}
         with pytest.raises(Rejected) as refused:
             decoder.decode(json.dumps(request).encode())  # orjson writes no integer past 64 bits
         error = refused.value.error
-        assert isinstance(error, BadRequest) and error.field == "items[0].sparse.user_id[1]", error.message
+        assert isinstance(error, BadRequest) and error.field == f"items[0].sparse.{feature}[1]", error.message
         assert problem in error.message
 
 
@@ -203,7 +211,7 @@ def test_served_by_torchserve_counting_unseen_ids_exactly_and_refusing_a_reserve
                 table = table_of[feature]
                 unseen[table] += int((~np.isin(ids, owned[table].numpy())).sum())
                 looked_up[table] += len(ids)
-    request["items"][1]["sparse"]["item_id"] = [3, MCH_FREE_SLOT]
+    request["items"][1]["sparse"]["item_id"] = [3, ZCH_EMPTY_SLOT]  # a ZCH table's empty-slot marker
     response = server.predict("tiny_raw_aoti", request)
     assert response.status_code == 400 and response.json()["field"] == "items[1].sparse.item_id[1]"
     published = _published(server.scrape("tiny_raw_aoti"), "tiny_raw_aoti")
@@ -248,6 +256,8 @@ def test_what_raw_id_tables_do_not_do_yet_is_refused_naming_why(trained, tiny_sp
     ids, slots = slot_owners(model)["t_hour"].sort()
     with pytest.raises(ValueError, match=r"a slot map's sorted_ids must be int64 \[6\], got torch.int64 \[5\]"):
         served.raw_id_remaps["t_hour"].load((ids[:5], slots[:5]))
+    with pytest.raises(ValueError, match=r"a slot map's identities must be int64 \[200\], got torch.int64 \[5\]"):
+        served.raw_id_remaps["t_item"].load((ids[:5],))
     with pytest.raises(ValueError, match=r"raw-id tables \['t_item', 't_user'\] come without their slot maps"):
         served.load_slot_maps({"t_hour": (ids, slots), "t_category": (ids, slots)})
 
@@ -285,7 +295,7 @@ def test_binary_int64_tensors_carry_raw_ids_exactly(trained):
 def test_the_benchmarks_raw_traffic_looks_up_the_rows_of_its_row_traffic(trained, archives):
     """benchmarks.raw_ids: its raw requests (row ids replaced by the raw ids that own those rows
     in a compiled archive's slot maps) look up the same rows, but for the ids it counts unseen,
-    which look up each table's default row."""
+    which own no slot."""
     spec, _, _, _ = trained
     with Archive.open(archives["aoti"]) as archive:
         weights = torch.load(weights_file(archive.unpacked()), weights_only=True)
@@ -299,13 +309,13 @@ def test_the_benchmarks_raw_traffic_looks_up_the_rows_of_its_row_traffic(trained
         for row_item, raw_item in zip(orjson.loads(row_body)["items"], orjson.loads(raw_body)["items"]):
             for feature, ids in raw_item["sparse"].items():
                 table = table_of[feature]
-                remap = SlotRemap(ROWS[table])
+                remap = served_remap(next(t for t in spec.tables if t.name == table))
                 remap.load(maps[table])
-                ids = torch.tensor(ids, dtype=torch.int64)
-                owned = torch.isin(ids, maps[table][0][maps[table][0] != MCH_FREE_SLOT])
+                ids, owners = torch.tensor(ids, dtype=torch.int64), owners_of(maps[table])
+                owned = torch.isin(ids, owners[owners != MCH_FREE_SLOT])
                 slots = remap(ids)
                 assert torch.equal(slots[owned], torch.tensor(row_item["sparse"][feature])[owned])
-                assert (slots[~owned] == ROWS[table] - 1).all()
+                assert (owners[slots[~owned]] != ids[~owned]).all()
                 found_unseen += int((~owned).sum())
     assert sum(unseen) == found_unseen > 0
 

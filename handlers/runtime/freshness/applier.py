@@ -51,7 +51,7 @@ from handlers.runtime.freshness.delta_file import Delta, DeltaWriter, TableSecti
 from handlers.runtime.freshness.layout import TablesLayout
 from handlers.runtime.freshness.shared_tables import mappings
 from handlers.runtime.freshness.slot_writes import StagedMap, write_slots
-from handlers.runtime.slot_maps import SlotMap, owners_of
+from handlers.runtime.slot_maps import SlotMap, is_hashed, owners_of, slot_map
 
 LOCK_FILE = "freshness.lock"
 STATE_FILE = "freshness-state.json"
@@ -163,8 +163,8 @@ class TableWriter:
         map, into its map (hold the row lock)."""
         self._tables[table].index_copy_(0, _index(records["id"]), torch.from_numpy(np.array(records["row"])))
         if staged is not None:
-            end = staged.start + len(staged.sorted_ids)
-            for served, new in zip(self._maps[table], (staged.sorted_ids, staged.slots)):
+            end = staged.start + staged.length
+            for served, new in zip(self._maps[table], staged.parts):
                 served[staged.start : end].copy_(new)
 
     def slot_map(self, table: str) -> SlotMap:
@@ -177,7 +177,8 @@ class TableWriter:
 
     def owned_slots(self, table: str, ids: np.ndarray) -> np.ndarray:
         """The slot each raw id owns now (-1: none)."""
-        sorted_ids, slots = self._maps[table]
+        served = self._maps[table]
+        sorted_ids, slots = slot_map(owners_of(served)) if is_hashed(served) else served
         ids = _index(ids)
         found = torch.searchsorted(sorted_ids[:-1], ids)
         return torch.where(sorted_ids[found] == ids, slots[found], -1).numpy()

@@ -22,7 +22,7 @@ import torch
 
 from handlers.runtime.freshness.delta_file import Delta, DeltaError, TableSection
 from handlers.runtime.inputs import MCH_FREE_SLOT
-from handlers.runtime.slot_maps import owners_of, with_owners
+from handlers.runtime.slot_maps import is_hashed, owners_of, with_owners
 
 if TYPE_CHECKING:
     from handlers.runtime.freshness.applier import RowLock, TableWriter
@@ -30,15 +30,18 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class StagedMap:
-    """A raw-id table's new slot map, as far as it differs from the served one (its entries
-    ``start`` to ``start + len(sorted_ids)``), and the slots that change owner; ``key`` names the
-    delta section it was made for."""
+    """A raw-id table's new slot map, as far as it differs from the served one (each of its
+    ``parts``' entries ``start`` to ``start + length``), and the slots that change owner; ``key``
+    names the delta section it was made for."""
 
     key: str
     start: int
-    sorted_ids: torch.Tensor
-    slots: torch.Tensor
+    parts: tuple[torch.Tensor, ...]  # as the map's (slot_maps.SlotMap), cut to the span
     moved: torch.Tensor  # int64 [m]: slots whose owner changes
+
+    @property
+    def length(self) -> int:
+        return len(self.parts[0])
 
     def save(self, path: Path) -> None:
         staged = path.with_name(path.name + ".tmp")
@@ -52,7 +55,7 @@ class StagedMap:
             saved = torch.load(path, weights_only=True)
         except FileNotFoundError:
             return None
-        return cls(**saved) if saved.get("key") == key else None
+        return cls(**{**saved, "parts": tuple(saved["parts"])}) if saved.get("key") == key else None
 
 
 def stage(writer: TableWriter, table: str, records: np.ndarray, key: str) -> StagedMap:
@@ -62,12 +65,12 @@ def stage(writer: TableWriter, table: str, records: np.ndarray, key: str) -> Sta
     now = owners_of(served)
     moved = slots[now[slots] != owners]
     try:
-        sorted_ids, order = with_owners(now, slots, owners)
+        new = with_owners(now, slots, owners, hashed=is_hashed(served))
     except ValueError as e:
         raise DeltaError(f"tables.{table}.owners", str(e)) from None
-    differ = torch.nonzero((sorted_ids != served[0]) | (order != served[1])).flatten()
+    differ = torch.nonzero(torch.stack([a != b for a, b in zip(new, served)]).any(dim=0)).flatten()
     start, end = (int(differ[0]), int(differ[-1]) + 1) if len(differ) else (0, 0)
-    return StagedMap(key, start, sorted_ids[start:end].clone(), order[start:end].clone(), moved)
+    return StagedMap(key, start, tuple(part[start:end].clone() for part in new), moved)
 
 
 def write_slots(
@@ -92,7 +95,7 @@ def write_slots(
     moved = np.isin(records["id"], staged.moved.numpy())
     if not writer.pinned:
         writer.touch(section.name, records["id"][moved])
-        writer.touch_map(section.name, staged.start, len(staged.sorted_ids))
+        writer.touch_map(section.name, staged.start, staged.length)
     with lock.writing():
         writer.write(section.name, records[moved], staged)
     pause(int(moved.sum()))

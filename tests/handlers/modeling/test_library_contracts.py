@@ -11,8 +11,9 @@ from tests.helpers import forward, items_request, model_inputs, sharded, with_ta
 from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (  # isort: skip
     IntNBitTableBatchedEmbeddingBagsCodegen as TBE,
 )
-from handlers.runtime.inputs import MCH_FREE_SLOT
+from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor  # isort: skip
+from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule  # isort: skip
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection  # isort: skip
 from torchrec.modules.mc_modules import (  # isort: skip
     LFU_EvictionPolicy,
@@ -155,3 +156,28 @@ def test_mch_keeps_its_slot_owners_sorted_beside_their_slots_and_marks_free_ones
     mc_ebc.eval()
     remapped = mch.remap({"t": JaggedTensor(values=ids, lengths=torch.ones(4, dtype=torch.int64))})["t"].values()
     assert [int(owners[slot]) for slot in remapped] == ids.tolist(), "each id's slot is owned by that id"
+
+
+def test_zch_keeps_row_aligned_identities_and_its_lookup_is_fbgemms_read_only_operator():
+    """zch_identities relies on TorchRec's ZCH module keeping its identities as
+    ``_hash_zch_identities`` (int64 [rows, 1], free slots -1: ``ZCH_EMPTY_SLOT``); zch_slots on
+    FBGEMM's ``zero_collision_hash`` answering, read-only, the slots the module's eval remap does
+    (buckets: ids split by ``id mod buckets``), and on its meta kernel answering the input itself
+    (so the operator gets a copy: traced, the ids stay the ids)."""
+    zch = HashZchManagedCollisionModule(zch_size=16, device=torch.device("cpu"), total_num_buckets=2, max_probe=4,
+                                        is_inference=True)
+    identities = tbe.zch_identities(zch)
+    assert identities.shape == (16,) and identities.eq(ZCH_EMPTY_SLOT).all()
+    assert identities.data_ptr() == zch._hash_zch_identities.data_ptr(), "not a view of the module's identities"
+    ids = torch.tensor([-6, 2**62, 11, 5, -(2**63)])
+    starts = torch.remainder(ids, 2) * 8  # bucket 0: slots 0-7, bucket 1: 8-15
+    first = tbe.zch_slots(ids, identities, 1, torch.full_like(ids, 8), starts)  # an empty table: where probing starts
+    placed = starts[:3] + torch.remainder(first[:3] - starts[:3] + 1, 8)  # each of the first three on its 2nd probe
+    identities[placed] = ids[:3]
+    expected = zch.remap({"t": JaggedTensor(values=ids, lengths=torch.ones(5, dtype=torch.int64))})["t"].values()
+    assert torch.equal(expected[:3], placed), "TorchRec's remap no longer probes as FBGEMM's operator answers"
+    assert torch.equal(tbe.zch_slots(ids, identities, 4, torch.full_like(ids, 8), starts), expected)
+    fake = torch._subclasses.FakeTensorMode()
+    traced, table = fake.from_tensor(ids), fake.from_tensor(identities.view(-1, 1))
+    with fake:
+        assert torch.ops.fbgemm.zero_collision_hash(traced, table, 4)[0] is traced, "zch_slots's copy may go now"

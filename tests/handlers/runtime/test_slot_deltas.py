@@ -26,8 +26,8 @@ from handlers.runtime.freshness.protocol import PROTOCOL, reply_bytes
 from handlers.runtime.freshness.shared_tables import SharedTables
 from handlers.runtime.freshness.slot_writes import StagedMap, check_owners, stage
 from handlers.runtime.freshness.worker import WorkerFreshness
-from handlers.runtime.inputs import MCH_FREE_SLOT
-from handlers.runtime.slot_maps import owners_of, slot_map, slot_maps_in, with_owners
+from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
+from handlers.runtime.slot_maps import hash_map, owners_of, slot_map, slot_maps_in, with_owners
 
 ROWS = 64
 RAW = TableLayout("r", "fp32", 4, ROWS, 16, buffer=0, offset=0, raw_ids=True)
@@ -48,10 +48,13 @@ def test_a_slot_map_rebuilt_from_new_owners_is_the_map_of_those_owners():
     slots, owners = torch.tensor([0, 5, ROWS - 1]), torch.tensor([77, MCH_FREE_SLOT, -(2**63)])
     expected = OWNERS.clone()
     expected[slots] = owners
-    for got, want in zip(with_owners(owners_of(current), slots, owners), slot_map(expected)):
+    for got, want in zip(with_owners(owners_of(current), slots, owners, hashed=False), slot_map(expected)):
         assert torch.equal(got, want)
-    with pytest.raises(ValueError, match=r"raw id -993 would own slots \[1, 2\]"):  # slot 1's owner given slot 2 too
-        with_owners(owners_of(current), torch.tensor([2]), OWNERS[1:2])
+    (identities,) = with_owners(owners_of(hash_map(OWNERS)), slots, owners, hashed=True)  # ZCH: row-aligned
+    assert identities[5] == ZCH_EMPTY_SLOT and torch.equal(owners_of((identities,)), expected)
+    for hashed in (False, True):
+        with pytest.raises(ValueError, match=r"raw id -993 would own slots \[1, 2\]"):  # slot 1's owner given slot 2 too
+            with_owners(OWNERS.clone(), torch.tensor([2]), OWNERS[1:2], hashed)
 
 
 def test_slot_maps_are_found_under_both_names_and_a_half_map_is_refused():
@@ -60,8 +63,12 @@ def test_slot_maps_are_found_under_both_names_and_a_half_map_is_refused():
     compiled = {"model.sparse.raw_id_remaps.r.sorted_ids": ids, "model.sparse.raw_id_remaps.r.slots": slots,
                 "model.sparse.raw_id_remaps.r.unseen": torch.zeros((), dtype=torch.int64)}
     assert torch.equal(slot_maps_in(compiled)["r"][1], slots)
-    with pytest.raises(ValueError, match=r"tables \['r'\] lack sorted_ids or slots"):
+    (identities,) = hash_map(OWNERS)
+    assert torch.equal(slot_maps_in({"m.raw_id_remaps.z.identities": identities, "tbe.0": ids})["z"][0], identities)
+    with pytest.raises(ValueError, match=r"tables \['r'\] hold neither sorted_ids and slots nor identities alone"):
         slot_maps_in({"slot_maps.r.slots": slots})
+    with pytest.raises(ValueError, match=r"tables \['r'\] hold neither"):
+        slot_maps_in({"slot_maps.r.slots": slots, "slot_maps.r.sorted_ids": ids, "slot_maps.r.identities": ids})
 
 
 def _delta(path, records: dict[str, tuple], sequence: int = 1, layout: TablesLayout = LAYOUT):
@@ -166,7 +173,7 @@ def test_a_writer_that_died_copying_a_map_is_followed_by_one_that_copies_the_sta
     assert staged.moved.tolist() == [3]
     staged.save(tmp_path / "staged-map-r.pt")
     assert StagedMap.load(tmp_path / "staged-map-r.pt", key="another delta's") is None
-    writer.slot_map("r")[0][staged.start : staged.start + len(staged.sorted_ids)] = 0  # what the dead writer left
+    writer.slot_map("r")[0][staged.start : staged.start + staged.length] = 0  # what the dead writer left
     apply_delta(delta, writer, RowLock(tmp_path), tmp_path, Pace())
     expected = OWNERS.clone()
     expected[3] = 123
