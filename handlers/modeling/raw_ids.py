@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from handlers.modeling import tbe
+from handlers.modeling.errors import CheckpointError
 from handlers.modeling.remap_spec import MchEviction, RemapKind, Unseen
 from handlers.modeling.spec import TableSpec
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
@@ -80,10 +81,18 @@ class ManagedBags(nn.Module):
     def slot_owners(self) -> dict[str, torch.Tensor]:
         """Each table's slot owners, as its remap module holds them now."""
         _, remaps = tbe.managed_collision_parts(self.mc_embedding_bag_collection)
-        return {
-            name: owners_of((tbe.zch_identities(module),)) if name in self._hashed else tbe.mch_slot_owners(module)
-            for name, module in remaps.items()
-        }
+        owners = {}
+        for name, module in remaps.items():
+            if name not in self._hashed:
+                owners[name] = tbe.mch_slot_owners(module)
+                continue
+            identities = tbe.zch_identities(module)
+            marked = torch.nonzero(identities == MCH_FREE_SLOT).flatten()
+            if len(marked):  # owners (and deltas' records) mark free slots with it
+                raise CheckpointError(f"{name}: raw id {MCH_FREE_SLOT} owns slot {int(marked[0])}; that id is "
+                                      "not served (it marks free slots), a zch table's other ids are")
+            owners[name] = owners_of((identities,))
+        return owners
 
     def slot_maps(self) -> dict[str, SlotMap]:
         """Each table's slot map, in the form its served remap searches."""

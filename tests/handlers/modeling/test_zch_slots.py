@@ -4,10 +4,13 @@ finds them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from handlers.modeling import tbe
-from handlers.modeling.raw_ids import HashRemap, random_slot_map, zch_insert
+from handlers.modeling.errors import CheckpointError
+from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.raw_ids import HashRemap, random_slot_map, slot_owners, zch_insert
 from handlers.modeling.spec import TableSpec
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 
@@ -56,3 +59,17 @@ def test_a_zch_table_built_without_a_checkpoint_fills_as_training_would():
     remap = HashRemap(4096, 128, 2)
     remap.load((identities,))
     assert torch.equal(identities[remap(owned)], owned) and int(remap.unseen) == 0
+
+
+def test_a_zch_checkpoint_whose_slot_holds_the_free_marker_is_refused_naming_the_table(tiny_spec):
+    """2^63-1 marks a free slot in slot owners and deltas: a ZCH table holding it is refused at
+    build, so on the wire it is an id like any other, and unseen."""
+    spec = tiny_spec.replace(tables=[
+        {**t.model_dump(mode="json"), "ids": "raw", "remap": {"kind": "zch"}} for t in tiny_spec.tables
+    ])
+    model = DLRMFactory(spec).float_model(seed=0)
+    assert all(o.eq(MCH_FREE_SLOT).all() for o in slot_owners(model).values())  # empty: every slot free
+    _, remaps = tbe.managed_collision_parts(model.sparse_arch.embedding_bag_collection.mc_embedding_bag_collection)
+    tbe.zch_identities(remaps["t_item"])[3] = MCH_FREE_SLOT
+    with pytest.raises(CheckpointError, match=rf"t_item: raw id {MCH_FREE_SLOT} owns slot 3"):
+        slot_owners(model)
