@@ -25,11 +25,13 @@ replaced by the raw id that owns it, so the models look up exactly the same rows
   per slot besides the rows (its slot maps' bytes over the slots); ``extra_file_bytes``,
   ``extra_package_bytes``: the MCH weights file and compiled package (code, compiled archives
   only) over the row-id archive's, in bytes;
-* ``torn_pairs``: scores that saw an id with another id's row while deltas swapped two ids'
-  slots under traffic, through TorchServe (``benchmarks.slot_deltas``, MCH); ``torn_probe_*``: its size;
+* ``torn_pairs`` (MCH) / ``torn_pairs_zch``: scores that saw an id with another id's row while
+  deltas swapped two ids' slots under traffic, through TorchServe (``benchmarks.slot_deltas``);
+  ``torn_probe_*``: its size;
 * ``mch_swap_s``: moving ``swap_evictions`` slots of the table nearest 10M slots to new raw ids,
   the slot map rebuilt and swapped in as the delta writer does it, in process; ``mch_swap``: the
-  same per table (its rebuild, and the ms under the row lock).
+  same per table (its rebuild, and the ms under the row lock); ``zch_swap``: the same on the ZCH
+  archive (each new id in the slot its probing starts at).
 
 Targets: ``p50_overhead_pct`` at most 5; ``unseen_counted`` equal to ``unseen_true``;
 ``extra_bytes_per_row`` at most 16 (ZCH: 8); ``torn_pairs`` 0; ``mch_swap_s`` at most 2.
@@ -81,7 +83,7 @@ class RawIdsScenario:
 RAW_IDS_SCENARIOS = {
     "raw_ids": RawIdsScenario("raw_ids", MODELS / "criteo_1tb.yaml", seconds=8.0, rounds=5, counted_requests=2000),
     "raw_ids-smoke": RawIdsScenario(
-        "raw_ids-smoke", MODELS / "tiny.yaml", seconds=1.0, rounds=1, counted_requests=50, artifact="eager",
+        "raw_ids-smoke", MODELS / "tiny.yaml", seconds=0.5, rounds=1, counted_requests=50, artifact="eager",
         probe_table="t_user", probe_publishes=3, swap_tables=("t_user",), swap_evictions=100,
     ),
 }
@@ -122,8 +124,10 @@ def run_raw_ids(scenario: RawIdsScenario, out_dir: Path) -> dict:
     with LocalTorchServe(model_store=store) as server:
         served = _served(server, {spec.name: rows, zch: traffic[zch], mch: traffic[mch]}, (zch, mch), scenario)
         progress.update()
-        progress.set_postfix_str("torn-pair probe")
+        progress.set_postfix_str("torn-pair probes")
         figures.update(torn_pairs(server, mch, store / mch, weights[mch], scenario.probe_table, scenario.probe_publishes))
+        probe = torn_pairs(server, zch, store / zch, weights[zch], scenario.probe_table, scenario.probe_publishes)
+        figures.update({f"{key}_zch": value for key, value in probe.items()})
     progress.update()
     p50 = served.pop("p50_ms")
     figures.update({
@@ -142,11 +146,16 @@ def run_raw_ids(scenario: RawIdsScenario, out_dir: Path) -> dict:
         packages = [(store / name / "model_aoti.pt2").stat().st_size for name in (mch, spec.name)]
         figures["extra_package_bytes"] = packages[0] - packages[1]
     progress.set_postfix_str("slot map swaps")  # last: they change the archive's weights file
+    table_of = {kind: {t.name: t for t in raw_spec.tables} for kind, raw_spec in raw_specs.items()}
     figures["mch_swap"] = {
-        table: swap_figures(store / mch, weights[mch], table, scenario.swap_evictions, seed=4)
+        table: swap_figures(store / mch, weights[mch], table_of["mch"][table], scenario.swap_evictions, seed=4)
         for table in scenario.swap_tables
     }
     figures["mch_swap_s"] = figures["mch_swap"][scenario.swap_tables[0]]["swap_s"]
+    figures["zch_swap"] = {
+        table: swap_figures(store / zch, weights[zch], table_of["zch"][table], scenario.swap_evictions, seed=4)
+        for table in scenario.swap_tables
+    }
     progress.update()
     progress.close()
     figures["targets"] = _targets(figures)
@@ -233,14 +242,12 @@ def remap_us(table: TableSpec, slot_map: SlotMap, seed: int, ids: int = 4096, re
 
 
 def _served(server: LocalTorchServe, traffic: dict[str, Traffic], counted: tuple[str, ...], scenario: RawIdsScenario) -> dict:
-    """c=1 p50 of each model served alone (registered, measured, unregistered, in turn; the last
-    model's last registration is left for the torn-pair probe), and the unseen ids each of the
-    ``counted`` models published over requests sent once each."""
+    """c=1 p50 of each model served alone (registered, measured, unregistered, in turn), and the
+    unseen ids each of the ``counted`` models published over requests sent once each."""
     p50s: dict[str, list[float]] = {model: [] for model in traffic}
     clients: dict[str, dict] = {}
     unseen_counted = {}
     auth = server.auth("inference")
-    last = list(traffic)[-1]
     for round_ in range(scenario.rounds):
         for model, bodies in traffic.items():
             server.register(model, batch_size=1, initial_workers=1).raise_for_status()
@@ -254,8 +261,7 @@ def _served(server: LocalTorchServe, traffic: dict[str, Traffic], counted: tuple
                 for body in bodies.bodies[: scenario.counted_requests]:
                     server.predict(model, body).raise_for_status()
                 unseen_counted[model] = _unseen_published(server, model) - before
-            if not (model == last and round_ == scenario.rounds - 1):  # the last stays, for the probe
-                server.management("DELETE", f"/models/{model}").raise_for_status()
+            server.management("DELETE", f"/models/{model}").raise_for_status()
     return {
         "p50_ms": {model: statistics.median(points) for model, points in p50s.items()},
         "p50_ms_rounds": p50s,
@@ -287,6 +293,7 @@ def _targets(figures: dict) -> list[dict]:
         target("extra archive bytes per row (MCH)", figures["extra_bytes_per_row"], "<=", 16.0),
         target("extra archive bytes per row (ZCH)", figures["extra_bytes_per_row_zch"], "<=", 8.0),
         target("torn id/row pairs under slot deltas", figures["torn_pairs"], "==", 0),
+        target("torn id/row pairs under slot deltas, ZCH", figures["torn_pairs_zch"], "==", 0),
         target(f"MCH slot map swap at {figures['mch_swap'][next(iter(figures['mch_swap']))]['slots']:,} slots, s",
                figures["mch_swap_s"], "<=", 2.0),
     ]
@@ -297,7 +304,7 @@ def summary(figures: dict) -> str:
     for key in ("remap_us_per_4k_ids_mch", "remap_us_per_4k_ids_zch", "p50_ms_row_ids", "p50_ms_raw_ids",
                 "p50_ms_zch_ids", "p50_overhead_pct", "p50_overhead_pct_zch", "unseen_counted", "unseen_true",
                 "unseen_counted_zch", "unseen_true_zch", "extra_bytes_per_row", "extra_bytes_per_row_zch",
-                "torn_pairs", "torn_probe_requests", "mch_swap_s"):
+                "torn_pairs", "torn_probe_requests", "torn_pairs_zch", "torn_probe_requests_zch", "mch_swap_s"):
         lines.append(f"  {key:<28}{figures[key]:>12.3f}" if isinstance(figures[key], float) else
                      f"  {key:<28}{figures[key]:>12}")
     for t in figures["targets"]:

@@ -268,11 +268,9 @@ def zch_insert(identities: torch.Tensor, ids: torch.Tensor, max_probe: int, buck
     changed in place) as its training's probing does: each id takes the first slot of its probe
     sequence that is free or already its own, an earlier id before a later one; an id that finds
     none within ``max_probe`` slots is left out. Returns how many ids are in the table after."""
-    rows = len(identities)
-    bucket_rows = rows // buckets
+    bucket_rows = len(identities) // buckets
     starts = torch.remainder(ids, buckets) * bucket_rows
-    empty = torch.full_like(identities, ZCH_EMPTY_SLOT)  # on an empty table the lookup answers the first probe
-    first = tbe.zch_slots(ids, empty, 1, torch.full_like(ids, bucket_rows), starts) - starts
+    first = first_probe_slots(ids, len(identities), buckets) - starts
     pending = torch.arange(len(ids))
     for step in range(max_probe):
         if not len(pending):
@@ -287,6 +285,13 @@ def zch_insert(identities: torch.Tensor, ids: torch.Tensor, max_probe: int, buck
         placed[winners] = True
         pending = pending[~placed]
     return int((identities != ZCH_EMPTY_SLOT).sum())
+
+
+def first_probe_slots(ids: torch.Tensor, rows: int, buckets: int) -> torch.Tensor:
+    """The slot each raw id's ZCH probing starts at, int64 [n], in a table of ``rows`` slots."""
+    bucket_rows = rows // buckets
+    empty = torch.full((rows,), ZCH_EMPTY_SLOT, dtype=torch.int64)  # on an empty table the lookup answers it
+    return tbe.zch_slots(ids, empty, 1, torch.full_like(ids, bucket_rows), torch.remainder(ids, buckets) * bucket_rows)
 
 
 def _remap_module(table: TableSpec, device: torch.device) -> nn.Module:

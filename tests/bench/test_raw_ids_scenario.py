@@ -24,6 +24,8 @@ def test_raw_ids_smoke_scenario_counts_unseen_ids_exactly_and_sees_no_torn_pair(
     assert figures["remap_us_per_4k_ids_mch"] > 0 and figures["remap_us_per_4k_ids_zch"] > 0
     assert all(not client["saturated"] for client in figures["clients"].values())
     assert figures["torn_pairs"] == 0 and figures["torn_probe_requests"] > 0
+    assert figures["torn_pairs_zch"] == 0 and figures["torn_probe_requests_zch"] > 0
     assert figures["mch_swap"]["t_user"]["evictions"] == 100 and figures["mch_swap_s"] > 0
-    assert [t["met"] for t in figures["targets"]][2:] == [True] * 6  # latency is the full scenario's
+    assert figures["zch_swap"]["t_user"]["evictions"] == 100
+    assert [t["met"] for t in figures["targets"]][2:] == [True] * 7  # latency is the full scenario's
     assert "p50_overhead_pct_zch" in (out / "summary.txt").read_text()
