@@ -187,7 +187,7 @@ class HashRemap(nn.Module):
 
 class RawIdBags(nn.Module):
     """The served collection of raw-id tables: each feature's raw ids through its table's
-    ``SlotRemap``, then the quantized bags. ``raw_id_remaps`` are filled by
+    ``SlotRemap`` (MCH) or ``HashRemap`` (ZCH), then the quantized bags. ``raw_id_remaps`` are filled by
     ``load_slot_maps``."""
 
     def __init__(self, bags: nn.Module, tables: Sequence[TableSpec]) -> None:
