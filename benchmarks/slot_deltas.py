@@ -66,7 +66,7 @@ def swap_figures(archive: Path, weights_file: Path, spec: TableSpec, evictions: 
         staged = stage(writer, table, records, key="swap")
         staged.save(Path(folder) / "staged-map.pt")  # as the writer keeps it beside the working copy
         writer.touch(table, records["id"])  # as an unpinned writer does (slot_writes.write_slots)
-        writer.touch_map(table, staged.start, staged.length)
+        writer.touch_map(table, staged)
         staged_at = time.perf_counter()
         with RowLock(Path(folder)).writing():
             writer.write(table, records, staged)

@@ -163,9 +163,11 @@ class TableWriter:
         map, into its map (hold the row lock)."""
         self._tables[table].index_copy_(0, _index(records["id"]), torch.from_numpy(np.array(records["row"])))
         if staged is not None:
-            end = staged.start + staged.length
             for served, new in zip(self._maps[table], staged.parts):
-                served[staged.start : end].copy_(new)
+                if staged.scattered:
+                    served.index_copy_(0, staged.moved, new)
+                else:
+                    served[staged.start : staged.start + staged.length].copy_(new)
 
     def slot_map(self, table: str) -> SlotMap:
         """A raw-id table's slot map, as every worker maps it."""
@@ -183,10 +185,15 @@ class TableWriter:
         found = torch.searchsorted(sorted_ids[:-1], ids)
         return torch.where(sorted_ids[found] == ids, slots[found], -1).numpy()
 
-    def touch_map(self, table: str, start: int, length: int) -> None:
-        """Writes a span of a slot map back as it is (``touch``, for the map's pages)."""
+    def touch_map(self, table: str, staged: StagedMap) -> None:
+        """Writes the entries of a slot map that ``staged`` changes back as they are (``touch``,
+        for the map's pages)."""
         for tensor in self._maps[table]:
-            tensor[start : start + length].copy_(tensor[start : start + length].clone())
+            if staged.scattered:
+                tensor.index_copy_(0, staged.moved, tensor.index_select(0, staged.moved))
+            else:
+                span = slice(staged.start, staged.start + staged.length)
+                tensor[span].copy_(tensor[span].clone())
 
     def touch(self, table: str, ids: np.ndarray) -> None:
         """Writes the rows ``ids`` back as they are: their pages become present and writable in

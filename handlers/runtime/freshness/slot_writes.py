@@ -3,9 +3,9 @@
 The section's records are (slot, owner, row). The slots whose owner changes and the new slot map
 (``slot_maps.with_owners``, rebuilt outside the lock) go in one hold of the row lock; the other
 records (trained rows of slots that keep their owner) go in chunks at the model's pace, like an
-index table's rows. The new map's changed span is staged in a file in the working copy's folder
-before the hold: a writer that dies during the copy leaves the map half written, and the next
-writer copies the staged span again rather than building a map from a torn one.
+index table's rows. The new map's changed entries (MCH: a span; ZCH: the moved slots) are staged
+in a file in the working copy's folder before the hold: a writer that dies during the copy leaves the map half written, and the next
+writer copies the staged entries again rather than building a map from a torn one.
 
     write_slots(delta, section, writer, lock, chunk_rows, staging=folder, pause=pacer)
     check_owners(writer, delta, pending)   # at publish: no id would own two slots
@@ -30,14 +30,17 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class StagedMap:
-    """A raw-id table's new slot map, as far as it differs from the served one (each of its
-    ``parts``' entries ``start`` to ``start + length``), and the slots that change owner; ``key``
-    names the delta section it was made for."""
+    """A raw-id table's new slot map, as far as it differs from the served one, and the slots that
+    change owner; ``key`` names the delta section it was made for. MCH's sorted map shifts between
+    its first and last change: ``parts`` hold each part's entries ``start`` to ``start + length``;
+    ZCH's identities are row-aligned: ``parts`` hold those of the ``moved`` slots alone
+    (``scattered``)."""
 
     key: str
     start: int
-    parts: tuple[torch.Tensor, ...]  # as the map's (slot_maps.SlotMap), cut to the span
+    parts: tuple[torch.Tensor, ...]  # as the map's (slot_maps.SlotMap), cut to the span or the moved slots
     moved: torch.Tensor  # int64 [m]: slots whose owner changes
+    scattered: bool = False
 
     @property
     def length(self) -> int:
@@ -50,7 +53,7 @@ class StagedMap:
 
     @classmethod
     def load(cls, path: Path, key: str) -> "StagedMap | None":
-        """The span staged at ``path`` for ``key``; None if there is none (or one for another)."""
+        """The entries staged at ``path`` for ``key``; None if there are none (or some for another)."""
         try:
             saved = torch.load(path, weights_only=True)
         except FileNotFoundError:
@@ -68,6 +71,8 @@ def stage(writer: TableWriter, table: str, records: np.ndarray, key: str) -> Sta
         new = with_owners(now, slots, owners, hashed=is_hashed(served))
     except ValueError as e:
         raise DeltaError(f"tables.{table}.owners", str(e)) from None
+    if is_hashed(served):
+        return StagedMap(key, 0, tuple(part[moved] for part in new), moved, scattered=True)
     differ = torch.nonzero(torch.stack([a != b for a, b in zip(new, served)]).any(dim=0)).flatten()
     start, end = (int(differ[0]), int(differ[-1]) + 1) if len(differ) else (0, 0)
     return StagedMap(key, start, tuple(part[start:end].clone() for part in new), moved)
@@ -83,7 +88,7 @@ def write_slots(
     pause: Callable[[int], None],
 ) -> None:
     """Writes a raw-id section whole (``pause(rows)`` after each hold of the lock); ``staging``:
-    the folder where the new map's span is kept until it is written (None: not kept)."""
+    the folder where the new map's changed entries are kept until written (None: not kept)."""
     records = delta.records(section)
     key = f"{delta.path.name}:{section.xxh3_128}"
     path = None if staging is None else Path(staging) / f"staged-map-{section.name}.pt"
@@ -95,7 +100,7 @@ def write_slots(
     moved = np.isin(records["id"], staged.moved.numpy())
     if not writer.pinned:
         writer.touch(section.name, records["id"][moved])
-        writer.touch_map(section.name, staged.start, staged.length)
+        writer.touch_map(section.name, staged)
     with lock.writing():
         writer.write(section.name, records[moved], staged)
     pause(int(moved.sum()))

@@ -129,6 +129,36 @@ def test_owners_and_rows_written_in_place_are_seen_through_another_mapping_and_u
     assert all(torch.equal(mapped[k], before[k]) for k in before)
 
 
+def test_a_zch_tables_owners_are_written_at_their_slots_alone_and_a_dead_writers_copy_is_redone(tmp_path):
+    """ZCH's identities are row-aligned: the staged entries are the moved slots' own, written
+    with their rows in one hold; a writer that died copying them is followed by one that copies
+    them again; undone together."""
+    path = tmp_path / "weights.pt"
+    rows = torch.arange(2 * ROWS * 4, dtype=torch.float32).reshape(2 * ROWS, 4)
+    (identities,) = hash_map(OWNERS)
+    torch.save({"tbe.0": rows.reshape(-1).view(torch.uint8), "slot_maps.r.identities": identities}, path)
+    mapped = torch.load(path, mmap=True, weights_only=True)
+    writer = TableWriter(path, table_buffers(mapped), LAYOUT, slot_maps_in(mapped))
+    before = {k: v.clone() for k, v in mapped.items()}
+    delta = read_delta(_delta(tmp_path / "00000001.delta", {"r": ([3, 7, ROWS - 1], _row_bytes(-np.ones(12)),
+                                                                   [123, int(OWNERS[7]), -456])}), LAYOUT)
+    section = delta.header.tables[0]
+    staged = stage(writer, "r", delta.records(section), key=f"{delta.path.name}:{section.xxh3_128}")
+    assert staged.scattered and staged.moved.tolist() == [3, ROWS - 1] and staged.parts[0].tolist() == [123, -456]
+    seen = mapped["slot_maps.r.identities"]  # the reader's own mapping
+    expected = before["slot_maps.r.identities"].clone()
+    expected[[3, ROWS - 1]] = torch.tensor([123, -456])
+    apply_delta(delta, writer, RowLock(tmp_path), tmp_path, Pace(), undo=tmp_path / "d.undo")
+    assert torch.equal(seen, expected)
+    assert mapped["tbe.0"].view(torch.float32).reshape(2 * ROWS, 4)[[3, 7, ROWS - 1]].eq(-1).all()
+    write_rows(read_delta(tmp_path / "d.undo", LAYOUT), writer, RowLock(tmp_path), Pace())
+    assert all(torch.equal(mapped[k], before[k]) for k in before)
+    staged.save(tmp_path / "staged-map-r.pt")
+    writer.slot_map("r")[0][3] = 0  # what a writer that died midway left (its staged entries kept)
+    apply_delta(delta, writer, RowLock(tmp_path), tmp_path, Pace())
+    assert torch.equal(seen, expected)
+
+
 def test_no_reader_sees_an_id_with_another_ids_row(tmp_path):
     """Torn-pair probe: ids A and B swap slots 10 and 20, each taking its own row along, delta
     after delta, while a reader maps A under the row lock and reads its row: always A's."""
