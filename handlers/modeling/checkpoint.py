@@ -3,7 +3,8 @@
 Training wrappers prefix every name: TorchRec's ``DLRMTrain`` with ``model.``, DDP and
 ``DataParallel`` with ``module.``, ``torch.compile`` with ``_orig_mod.``. Without a
 ``checkpoint_mapping`` in the spec, a checkpoint whose every name carries one of these prefixes,
-and matches the model once it is stripped, is loaded with it stripped (and says so).
+and matches the model once it is stripped, is loaded with it stripped (and says so). A ZCH
+table's training-only state (its eviction metadata) is left out.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from handlers.modeling.errors import CheckpointError
 from handlers.modeling.spec import CheckpointMapping
+from handlers.modeling.tbe import ZCH_TRAINING_STATE
 
 WRAPPER_PREFIXES = {
     "model.": "TorchRec's DLRMTrain",
@@ -52,6 +54,8 @@ def load_checkpoint(
     Raises ``CheckpointError`` listing every missing, unexpected and mis-shaped key at once.
     """
     expected = {k: v for k, v in model.state_dict().items() if skip is None or not k.startswith(skip)}
+    # a ZCH training's eviction metadata: not served (the model's ZCH modules are inference ones)
+    state_dict = {k: v for k, v in state_dict.items() if k.rsplit(".", 1)[-1] not in ZCH_TRAINING_STATE}
     detected = None if mapping.prefixes else _wrapper_prefix(state_dict, set(expected), skip)
     if detected is not None:
         mapping = CheckpointMapping(prefixes={detected: ""})

@@ -27,7 +27,7 @@ from handlers.modeling.remap_spec import MchEviction, RemapKind, Unseen
 from handlers.modeling.spec import TableSpec
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 from handlers.runtime.quiet import quieter
-from handlers.runtime.slot_maps import SlotMap, hash_map, owners_of, slot_map
+from handlers.runtime.slot_maps import SlotMap, hash_map, is_hashed, owners_of, slot_map
 
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor  # isort: skip
 from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule  # isort: skip
@@ -61,7 +61,9 @@ class ManagedBags(nn.Module):
     def __init__(self, ebc: EmbeddingBagCollection, tables: Sequence[TableSpec], device: torch.device) -> None:
         super().__init__()
         remaps = {t.name: _remap_module(t, device) for t in tables}
-        self._hashed = {t.name for t in tables if t.remap.kind == RemapKind.ZCH}  # type: ignore[union-attr]
+        self._hashed = {  # ZCH tables: their max_probe and buckets
+            t.name: (t.remap.max_probe, t.remap.buckets) for t in tables if t.remap.kind == RemapKind.ZCH  # type: ignore[union-attr]
+        }
         configs = ebc.embedding_bag_configs()
         self.mc_embedding_bag_collection = ManagedCollisionEmbeddingBagCollection(
             ebc, ManagedCollisionCollection(remaps, configs), return_remapped_features=False
@@ -91,6 +93,7 @@ class ManagedBags(nn.Module):
             if len(marked):  # owners (and deltas' records) mark free slots with it
                 raise CheckpointError(f"{name}: raw id {MCH_FREE_SLOT} owns slot {int(marked[0])}; that id is "
                                       "not served (it marks free slots), a zch table's other ids are")
+            _check_probing(name, identities, *self._hashed[name])
             owners[name] = owners_of((identities,))
         return owners
 
@@ -133,6 +136,8 @@ class SlotRemap(nn.Module):
 
     def load(self, slot_map: SlotMap) -> None:
         """Serves ``slot_map`` (used in place: a mapped file's pages stay shared)."""
+        if is_hashed(slot_map):
+            raise ValueError("an mch table's slot map is sorted_ids and slots, got a zch one (identities)")
         for name, tensor in zip(("sorted_ids", "slots"), slot_map):
             if tensor.shape != self.sorted_ids.shape or tensor.dtype != torch.int64:
                 raise ValueError(
@@ -160,10 +165,12 @@ class HashRemap(nn.Module):
         self.register_buffer("identities", torch.full((rows,), ZCH_EMPTY_SLOT, dtype=torch.int64))
         for counter in ("unseen", "lookups"):
             self.register_buffer(counter, torch.zeros((), dtype=torch.int64), persistent=False)
-        self.max_probe, self.buckets, self.bucket_rows = max_probe, buckets, rows // buckets
+        self.max_probe, self.buckets = max_probe, buckets
 
     def load(self, slot_map: SlotMap) -> None:
         """Serves ``slot_map``, ``(identities,)`` (used in place)."""
+        if not is_hashed(slot_map):
+            raise ValueError("a zch table's slot map is its identities alone, got an mch one (sorted_ids, slots)")
         (identities,) = slot_map
         if identities.shape != self.identities.shape or identities.dtype != torch.int64:
             raise ValueError(
@@ -174,11 +181,7 @@ class HashRemap(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Raw ids int64 [V] -> slots int64 [V]."""
-        if self.buckets == 1:
-            slots = tbe.zch_slots(ids, self.identities, self.max_probe)
-        else:  # as TorchRec's TrainInputMapper: bucket id mod buckets, each bucket_rows slots
-            starts = torch.remainder(ids, self.buckets) * self.bucket_rows
-            slots = tbe.zch_slots(ids, self.identities, self.max_probe, torch.full_like(ids, self.bucket_rows), starts)
+        slots = zch_lookup(ids, self.identities, self.max_probe, self.buckets)
         owned = self.identities[slots] == ids
         self.unseen.add_(owned.numel() - owned.sum())
         self.lookups.add_(owned.numel())
@@ -265,9 +268,11 @@ def random_slot_map(table: TableSpec, generator: torch.Generator) -> SlotMap:
 
 def zch_insert(identities: torch.Tensor, ids: torch.Tensor, max_probe: int, buckets: int) -> int:
     """Inserts raw ``ids`` (int64 [n], distinct) into a ZCH table's ``identities`` (int64 [rows],
-    changed in place) as its training's probing does: each id takes the first slot of its probe
-    sequence that is free or already its own, an earlier id before a later one; an id that finds
-    none within ``max_probe`` slots is left out. Returns how many ids are in the table after."""
+    changed in place) as its training's probing does: each id not in the table takes the first
+    free slot of its probe sequence, probe step by probe step (at each step an earlier id before a
+    later one on a slot both reach then); an id that finds none within ``max_probe`` slots is left
+    out. Returns how many ids are in the table after."""
+    ids = ids[~torch.isin(ids, identities)]
     bucket_rows = len(identities) // buckets
     starts = torch.remainder(ids, buckets) * bucket_rows
     first = first_probe_slots(ids, len(identities), buckets) - starts
@@ -276,22 +281,42 @@ def zch_insert(identities: torch.Tensor, ids: torch.Tensor, max_probe: int, buck
         if not len(pending):
             break
         slots = starts[pending] + torch.remainder(first[pending] + step, bucket_rows)
-        held = identities[slots]
-        placed = held == ids[pending]
-        free = torch.nonzero(held == ZCH_EMPTY_SLOT).flatten()
+        free = torch.nonzero(identities[slots] == ZCH_EMPTY_SLOT).flatten()
         claimed, earliest = np.unique(slots[free].numpy(), return_index=True)  # the earliest id claims a slot
         winners = free[torch.from_numpy(earliest)]
         identities[torch.from_numpy(claimed)] = ids[pending[winners]]
+        placed = torch.zeros(len(pending), dtype=torch.bool)
         placed[winners] = True
         pending = pending[~placed]
     return int((identities != ZCH_EMPTY_SLOT).sum())
 
 
+def zch_lookup(ids: torch.Tensor, identities: torch.Tensor, max_probe: int, buckets: int) -> torch.Tensor:
+    """Raw ids int64 [V] -> their slots in a ZCH table's ``identities`` (int64 [rows])."""
+    if buckets == 1:
+        return tbe.zch_slots(ids, identities, max_probe)
+    bucket_rows = len(identities) // buckets  # as TorchRec's TrainInputMapper: bucket id mod buckets
+    return tbe.zch_slots(ids, identities, max_probe, torch.full_like(ids, bucket_rows), torch.remainder(ids, buckets) * bucket_rows)
+
+
 def first_probe_slots(ids: torch.Tensor, rows: int, buckets: int) -> torch.Tensor:
     """The slot each raw id's ZCH probing starts at, int64 [n], in a table of ``rows`` slots."""
-    bucket_rows = rows // buckets
     empty = torch.full((rows,), ZCH_EMPTY_SLOT, dtype=torch.int64)  # on an empty table the lookup answers it
-    return tbe.zch_slots(ids, empty, 1, torch.full_like(ids, bucket_rows), torch.remainder(ids, buckets) * bucket_rows)
+    return zch_lookup(ids, empty, 1, buckets)
+
+
+def _check_probing(table: str, identities: torch.Tensor, max_probe: int, buckets: int) -> None:
+    """Raises ``CheckpointError`` unless the lookup finds every id of a ZCH table's identities
+    where they are: the spec's max_probe and buckets are the training's."""
+    slots = torch.nonzero(identities != ZCH_EMPTY_SLOT).flatten()
+    lost = torch.nonzero(zch_lookup(identities[slots], identities, max_probe, buckets) != slots).flatten()
+    if len(lost):
+        first = int(slots[lost[0]])
+        raise CheckpointError(
+            f"{table}: {len(lost)} of its {len(slots)} raw ids are not where probing at most {max_probe} slots "
+            f"in {buckets} bucket(s) finds them (raw id {int(identities[first])} in slot {first}): the spec's "
+            "remap.max_probe and remap.buckets must be the training's"
+        )
 
 
 def _remap_module(table: TableSpec, device: torch.device) -> nn.Module:

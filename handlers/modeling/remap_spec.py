@@ -77,8 +77,8 @@ class RemapSpec(BaseModel):
     eviction_interval: StrictInt = Field(1, gt=0, description="mch: training steps between evictions")
     max_probe: StrictInt = Field(128, gt=0, description="zch: the most slots probed for an id")
     buckets: StrictInt = Field(1, gt=0, description="zch: the training's buckets (total_num_buckets); rows split evenly")
-    unseen: Unseen = Field(
-        None,  # type: ignore[arg-type]  filled by kind: mch default_row, zch probe_slot
+    unseen: Unseen | None = Field(
+        None,  # filled by kind: mch default_row, zch probe_slot
         description="what an id the model has not seen looks up: mch default_row (null: the default) or zero; zch probe_slot",
     )
 
@@ -102,5 +102,5 @@ class RemapSpec(BaseModel):
             raise ValueError(f"{foreign[0]}: a setting of {other.value} tables, not {self.kind.value}")
         if self.unseen not in _UNSEEN[self.kind]:
             served = " or ".join(u.value for u in _UNSEEN[self.kind])
-            raise ValueError(f"unseen: {self.kind.value} tables serve {served}, not {self.unseen.value}")
+            raise ValueError(f"unseen: {self.kind.value} tables serve {served}, not {self.unseen.value}")  # type: ignore[union-attr]
         return self

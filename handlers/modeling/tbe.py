@@ -15,10 +15,11 @@ Why each exists:
   AOTInductor.
 * ``name_table_buffers``: a TBE keeps its weights as plain attributes, which ``torch.export``
   lifts as anonymous constants; registered as buffers they keep stable names.
-* ``managed_collision_parts``, ``mch_slot_owners``, ``zch_identities``: TorchRec's managed-collision
+* ``managed_collision_parts``, ``mch_slot_owners``, ``zch_identities``, ``ZCH_TRAINING_STATE``: TorchRec's managed-collision
   EBC keeps its EBC and its remap modules as private attributes, an MCH module which raw id owns
   each slot only as two private buffers (its sorted raw ids, and each one's slot), and a ZCH
-  module as one (``_hash_zch_identities``); there is no public reader.
+  module as one (``_hash_zch_identities``); there is no public reader. Its inference mode drops
+  the training's metadata from a checkpoint only when loaded as the root module.
 * ``zch_slots``: FBGEMM's ``zero_collision_hash`` operator, the ZCH lookup TorchRec calls, whose
   signature carries deprecated and training-only arguments: called here in its read-only form.
 """
@@ -196,6 +197,11 @@ def mch_slot_owners(module: MCHManagedCollisionModule) -> torch.Tensor:
     owners[slots - module._output_global_offset] = sorted_ids
     return owners
 
+
+
+# a ZCH module's state that only training keeps (eviction metadata, id frequencies): a
+# checkpoint of a GPU training holds it, the served (inference) module does not
+ZCH_TRAINING_STATE = (HashZchManagedCollisionModule.METADATA_BUFFER, HashZchManagedCollisionModule.RUNTIME_META_BUFFER)
 
 
 def zch_identities(module: HashZchManagedCollisionModule) -> torch.Tensor:

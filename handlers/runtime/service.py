@@ -36,7 +36,7 @@ class BatchStats:
     """One batch: milliseconds spent in each of ``STAGES``, the items of each forward, the
     requests refused by ``BadRequest`` reason, the ids the out-of-range policy hashed, per
     pruned table the ids that looked up a zero row, and per raw-id table the ids the model has
-    not seen (they look up its default row) and all its ids."""
+    not seen (they own no slot) and all its ids."""
 
     stage_ms: dict[str, float]
     forward_items: list[int]

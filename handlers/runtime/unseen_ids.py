@@ -2,7 +2,8 @@
 ``HandlerRawIds{Table}``, every id of the table looked up).
 
 A raw-id table (``Feature.raw_id_table``) gives each raw id that owns a slot its row; any other id
-looks up the table's default row (its last). The model's own remap counts both as it maps the ids,
+looks up the table's default row (MCH: its last) or the slot its probing starts at (ZCH). The
+model's own remap counts both as it maps the ids,
 inside the graph (``raw_id_remaps.<table>.unseen`` and ``.lookups``: an eager model's buffers, a
 graph's constants, a split model's lookups'); the counter reads them after each batch, one
 stack of scalars, and answers what they grew by.

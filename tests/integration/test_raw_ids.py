@@ -26,7 +26,7 @@ from benchmarks.traffic import TrafficModel
 from handlers.modeling import tbe
 from handlers.modeling.errors import SpecError
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.raw_ids import HashRemap, RawIdBags, SlotRemap, served_remap, slot_owners
+from handlers.modeling.raw_ids import HashRemap, RawIdBags, SlotRemap, first_probe_slots, served_remap, slot_owners
 from handlers.modeling.registry import input_schema
 from handlers.runtime.archive import Archive
 from handlers.runtime.archive_files import LOG_POINTER
@@ -42,6 +42,7 @@ from handlers.runtime.wire.v2_tensors import encode_request
 from tests.helpers import QUANTIZATION_TOLERANCE, archive_service, float_scores, items_request
 from tests.integration.raw_id_models import (
     EXTREMES,
+    REMAPS,
     ROWS,
     owned_ids,
     raw_request,
@@ -315,7 +316,10 @@ def test_the_benchmarks_raw_traffic_looks_up_the_rows_of_its_row_traffic(trained
                 owned = torch.isin(ids, owners[owners != MCH_FREE_SLOT])
                 slots = remap(ids)
                 assert torch.equal(slots[owned], torch.tensor(row_item["sparse"][feature])[owned])
-                assert (owners[slots[~owned]] != ids[~owned]).all()
+                if isinstance(remap, HashRemap):  # an unseen id: where its probing starts
+                    assert torch.equal(slots[~owned], first_probe_slots(ids[~owned], ROWS[table], REMAPS[table]["buckets"]))
+                else:  # the default row
+                    assert (slots[~owned] == ROWS[table] - 1).all()
                 found_unseen += int((~owned).sum())
     assert sum(unseen) == found_unseen > 0
 

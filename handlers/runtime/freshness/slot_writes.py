@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from handlers.runtime.freshness.delta_file import Delta, DeltaError, TableSection
-from handlers.runtime.inputs import MCH_FREE_SLOT
+from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 from handlers.runtime.slot_maps import is_hashed, owners_of, with_owners
 
 if TYPE_CHECKING:
@@ -65,6 +65,8 @@ def stage(writer: TableWriter, table: str, records: np.ndarray, key: str) -> Sta
     """The slot map after the (slot, owner, row) ``records``, built outside the lock."""
     served = writer.slot_map(table)
     slots, owners = _index(records["id"]), _index(records["owner"])
+    if is_hashed(served) and bool((owners == ZCH_EMPTY_SLOT).any()):
+        raise DeltaError(f"tables.{table}.owners", f"raw id {ZCH_EMPTY_SLOT} marks an empty slot of a zch table: it owns none")
     now = owners_of(served)
     moved = slots[now[slots] != owners]
     try:

@@ -1,6 +1,7 @@
 """What ``handlers.modeling.tbe`` relies on in FBGEMM and TorchRec beyond their public API. Each
 test fails loudly, naming the assumption, when a new release changes it."""
 
+import pytest
 import torch
 
 from handlers.modeling import tbe
@@ -158,6 +159,7 @@ def test_mch_keeps_its_slot_owners_sorted_beside_their_slots_and_marks_free_ones
     assert [int(owners[slot]) for slot in remapped] == ids.tolist(), "each id's slot is owned by that id"
 
 
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")  # TorchRec's own constructor
 def test_zch_keeps_row_aligned_identities_and_its_lookup_is_fbgemms_read_only_operator():
     """zch_identities relies on TorchRec's ZCH module keeping its identities as
     ``_hash_zch_identities`` (int64 [rows, 1], free slots -1: ``ZCH_EMPTY_SLOT``); zch_slots on

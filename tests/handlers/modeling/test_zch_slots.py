@@ -10,7 +10,7 @@ import torch
 from handlers.modeling import tbe
 from handlers.modeling.errors import CheckpointError
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.raw_ids import HashRemap, random_slot_map, slot_owners, zch_insert
+from handlers.modeling.raw_ids import HashRemap, first_probe_slots, random_slot_map, slot_owners, zch_insert
 from handlers.modeling.spec import TableSpec
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 
@@ -33,11 +33,12 @@ def test_inserted_ids_are_found_where_probing_put_them_and_the_rest_had_no_free_
     assert torch.equal(identities[slots[inside]], ids[inside])  # every id in the table is found
     assert int(remap.unseen) == int((~inside).sum())
     size = ROWS // BUCKETS
-    starts = torch.remainder(ids, BUCKETS) * size
+    starts, first = torch.remainder(ids, BUCKETS) * size, first_probe_slots(ids, ROWS, BUCKETS)
+    assert torch.equal(starts, (first // size) * size)  # each id probes within its bucket (id mod buckets)
     for k in torch.nonzero(~inside).flatten().tolist():  # left out: every slot it could probe was taken
-        reach = starts[k] + torch.remainder(slots[k] - starts[k] + torch.arange(MAX_PROBE), size)
+        reach = starts[k] + torch.remainder(first[k] - starts[k] + torch.arange(MAX_PROBE), size)
         assert (identities[reach] != ZCH_EMPTY_SLOT).all(), int(ids[k])
-        assert slots[k] == reach[0]  # an unseen id looks up the slot its probing starts at
+        assert slots[k] == first[k]  # an unseen id looks up the slot its probing starts at
     before = identities.clone()
     assert zch_insert(identities, ids, MAX_PROBE, BUCKETS) == held and torch.equal(identities, before)
 
@@ -62,8 +63,8 @@ def test_a_zch_table_built_without_a_checkpoint_fills_as_training_would():
 
 
 def test_a_zch_checkpoint_whose_slot_holds_the_free_marker_is_refused_naming_the_table(tiny_spec):
-    """2^63-1 marks a free slot in slot owners and deltas: a ZCH table holding it is refused at
-    build, so on the wire it is an id like any other, and unseen."""
+    """2^63-1 marks a free slot in slot owners and deltas: a ZCH table holding it is refused
+    (the build reads the slot owners), naming the table and the slot."""
     spec = tiny_spec.replace(tables=[
         {**t.model_dump(mode="json"), "ids": "raw", "remap": {"kind": "zch"}} for t in tiny_spec.tables
     ])
@@ -73,3 +74,30 @@ def test_a_zch_checkpoint_whose_slot_holds_the_free_marker_is_refused_naming_the
     tbe.zch_identities(remaps["t_item"])[3] = MCH_FREE_SLOT
     with pytest.raises(CheckpointError, match=rf"t_item: raw id {MCH_FREE_SLOT} owns slot 3"):
         slot_owners(model)
+
+
+def test_a_zch_checkpoint_loads_without_its_trainings_metadata_and_wrong_settings_are_refused(tiny_spec):
+    """A GPU training with eviction saves each ZCH module's metadata: not served, left out on
+    load. A spec whose max_probe or buckets are not the training's would find ids elsewhere:
+    refused at build, naming the table."""
+    spec = tiny_spec.replace(tables=[
+        {**t.model_dump(mode="json"), "ids": "raw", "remap": {"kind": "zch", "max_probe": 4, "buckets": 2}}
+        for t in tiny_spec.tables
+    ])
+    factory = DLRMFactory(spec)
+    model = factory.float_model(seed=0)
+    _, remaps = tbe.managed_collision_parts(model.sparse_arch.embedding_bag_collection.mc_embedding_bag_collection)
+    zch_insert(tbe.zch_identities(remaps["t_item"]), _ids(900, seed=3), 4, 2)
+    trained = model.state_dict()
+    for name, module in remaps.items():
+        prefix = next(k for k in trained if k.endswith(f"{name}._hash_zch_identities")).rsplit(".", 1)[0]
+        trained[f"{prefix}.{tbe.ZCH_TRAINING_STATE[0]}"] = torch.zeros(len(tbe.zch_identities(module)), 1, dtype=torch.int32)
+    loaded = factory.float_model(seed=1)
+    factory.load_checkpoint(loaded, trained)
+    assert torch.equal(slot_owners(loaded)["t_item"], slot_owners(model)["t_item"])
+    for remap in ({"kind": "zch", "max_probe": 4, "buckets": 1}, {"kind": "zch", "max_probe": 1, "buckets": 2}):
+        other = DLRMFactory(spec.replace(tables=[{**t.model_dump(mode="json"), "remap": remap} for t in spec.tables]))
+        wrong = other.float_model(seed=0)
+        other.load_checkpoint(wrong, trained)
+        with pytest.raises(CheckpointError, match=r"t_item: \d+ of its \d+ raw ids are not where probing"):
+            slot_owners(wrong)

@@ -157,6 +157,11 @@ def test_a_zch_tables_owners_are_written_at_their_slots_alone_and_a_dead_writers
     writer.slot_map("r")[0][3] = 0  # what a writer that died midway left (its staged entries kept)
     apply_delta(delta, writer, RowLock(tmp_path), tmp_path, Pace())
     assert torch.equal(seen, expected)
+    marker = read_delta(_delta(tmp_path / "00000002.delta", {"r": ([5], _row_bytes(-np.ones(4)), [ZCH_EMPTY_SLOT])},
+                               sequence=2), LAYOUT)
+    with pytest.raises(DeltaError, match="raw id -1 marks an empty slot of a zch table") as refused:
+        stage(writer, "r", marker.records(marker.header.tables[0]), key="marker")
+    assert refused.value.field == "tables.r.owners"
 
 
 def test_no_reader_sees_an_id_with_another_ids_row(tmp_path):
