@@ -10,7 +10,7 @@
 | ``HandlerRejectedRequests`` | counter | ``Reason`` | 4xx answers, by ``BadRequest`` reason |
 | ``HandlerHashedIds`` | counter | | ids outside their table, hashed by the ``hash`` policy |
 | ``HandlerPrunedIds`` | counter | ``Table`` | ids of a pruned table that have no row (they look up a zero row) |
-| ``HandlerUnseenIds`` | counter | ``Table`` | ids of a raw-id table that own no slot (MCH: they look up its default row; ZCH: the slot their probing starts at) |
+| ``HandlerUnseenIds`` | counter | ``Table`` | ids of a raw-id table that own no slot (they look up its default row, ZCH: their first probe) |
 | ``HandlerRawIds`` | counter | ``Table`` | ids of a raw-id table looked up; unseen / raw = the unseen share |
 | ``ShardCalls`` | counter | ``Shard``, ``Outcome`` | a dense host's calls to its embedding shards: ``ok`` or the gRPC status of a failed attempt |
 | ``ShardCallMilliseconds`` | counter | ``Shard`` | time in those calls; / ``ShardCalls`` = mean call time |

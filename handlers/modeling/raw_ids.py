@@ -61,9 +61,8 @@ class ManagedBags(nn.Module):
     def __init__(self, ebc: EmbeddingBagCollection, tables: Sequence[TableSpec], device: torch.device) -> None:
         super().__init__()
         remaps = {t.name: _remap_module(t, device) for t in tables}
-        self._hashed = {  # ZCH tables: their max_probe and buckets
-            t.name: (t.remap.max_probe, t.remap.buckets) for t in tables if t.remap.kind == RemapKind.ZCH  # type: ignore[union-attr]
-        }
+        zch = [t for t in tables if t.remap.kind == RemapKind.ZCH]  # type: ignore[union-attr]
+        self._hashed = {t.name: (t.remap.max_probe, t.remap.buckets) for t in zch}  # type: ignore[union-attr]
         configs = ebc.embedding_bag_configs()
         self.mc_embedding_bag_collection = ManagedCollisionEmbeddingBagCollection(
             ebc, ManagedCollisionCollection(remaps, configs), return_remapped_features=False
@@ -261,7 +260,8 @@ def random_slot_map(table: TableSpec, generator: torch.Generator) -> SlotMap:
         drawn = torch.cat([unique, extra])
     if table.remap.kind == RemapKind.ZCH:  # type: ignore[union-attr]
         identities = torch.full((rows,), ZCH_EMPTY_SLOT, dtype=torch.int64)
-        zch_insert(identities, unique[unique != ZCH_EMPTY_SLOT], table.remap.max_probe, table.remap.buckets)  # type: ignore[union-attr]
+        remap = table.remap
+        zch_insert(identities, unique[unique != ZCH_EMPTY_SLOT], remap.max_probe, remap.buckets)  # type: ignore[union-attr]
         return (identities,)
     return torch.cat([unique, torch.tensor([MCH_FREE_SLOT])]), torch.arange(rows, dtype=torch.int64)
 
@@ -296,7 +296,8 @@ def zch_lookup(ids: torch.Tensor, identities: torch.Tensor, max_probe: int, buck
     if buckets == 1:
         return tbe.zch_slots(ids, identities, max_probe)
     bucket_rows = len(identities) // buckets  # as TorchRec's TrainInputMapper: bucket id mod buckets
-    return tbe.zch_slots(ids, identities, max_probe, torch.full_like(ids, bucket_rows), torch.remainder(ids, buckets) * bucket_rows)
+    starts = torch.remainder(ids, buckets) * bucket_rows
+    return tbe.zch_slots(ids, identities, max_probe, torch.full_like(ids, bucket_rows), starts)
 
 
 def first_probe_slots(ids: torch.Tensor, rows: int, buckets: int) -> torch.Tensor:

@@ -21,7 +21,15 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictInt, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictInt,
+    model_serializer,
+    model_validator,
+)
 
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 
@@ -76,10 +84,13 @@ class RemapSpec(BaseModel):
     eviction: MchEviction = Field(MchEviction.LFU, description="mch: the eviction policy of the training")
     eviction_interval: StrictInt = Field(1, gt=0, description="mch: training steps between evictions")
     max_probe: StrictInt = Field(128, gt=0, description="zch: the most slots probed for an id")
-    buckets: StrictInt = Field(1, gt=0, description="zch: the training's buckets (total_num_buckets); rows split evenly")
+    buckets: StrictInt = Field(
+        1, gt=0, description="zch: the training's buckets (total_num_buckets); rows split evenly"
+    )
     unseen: Unseen | None = Field(
         None,  # filled by kind: mch default_row, zch probe_slot
-        description="what an id the model has not seen looks up: mch default_row (null: the default) or zero; zch probe_slot",
+        description="what an id the model has not seen looks up: mch default_row (null: the default) "
+        "or zero; zch probe_slot",
     )
 
     @model_validator(mode="before")
@@ -102,5 +113,6 @@ class RemapSpec(BaseModel):
             raise ValueError(f"{foreign[0]}: a setting of {other.value} tables, not {self.kind.value}")
         if self.unseen not in _UNSEEN[self.kind]:
             served = " or ".join(u.value for u in _UNSEEN[self.kind])
-            raise ValueError(f"unseen: {self.kind.value} tables serve {served}, not {self.unseen.value}")  # type: ignore[union-attr]
+            given = self.unseen.value  # type: ignore[union-attr]
+            raise ValueError(f"unseen: {self.kind.value} tables serve {served}, not {given}")
         return self

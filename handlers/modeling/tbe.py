@@ -15,11 +15,12 @@ Why each exists:
   AOTInductor.
 * ``name_table_buffers``: a TBE keeps its weights as plain attributes, which ``torch.export``
   lifts as anonymous constants; registered as buffers they keep stable names.
-* ``managed_collision_parts``, ``mch_slot_owners``, ``zch_identities``, ``ZCH_TRAINING_STATE``: TorchRec's managed-collision
-  EBC keeps its EBC and its remap modules as private attributes, an MCH module which raw id owns
-  each slot only as two private buffers (its sorted raw ids, and each one's slot), and a ZCH
-  module as one (``_hash_zch_identities``); there is no public reader. Its inference mode drops
-  the training's metadata from a checkpoint only when loaded as the root module.
+* ``managed_collision_parts``, ``mch_slot_owners``, ``zch_identities``, ``ZCH_TRAINING_STATE``:
+  TorchRec's managed-collision EBC keeps its EBC and its remap modules as private attributes, an
+  MCH module which raw id owns each slot only as two private buffers (its sorted raw ids, and
+  each one's slot), and a ZCH module as one (``_hash_zch_identities``); there is no public
+  reader. A ZCH module's inference mode drops the training's metadata from a checkpoint only
+  when loaded as the root module.
 * ``zch_slots``: FBGEMM's ``zero_collision_hash`` operator, the ZCH lookup TorchRec calls, whose
   signature carries deprecated and training-only arguments: called here in its read-only form.
 """

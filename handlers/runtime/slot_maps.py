@@ -92,4 +92,6 @@ def slot_maps_in(weights: Mapping[str, torch.Tensor]) -> dict[str, SlotMap]:
     incomplete = sorted(t for t, p in parts.items() if set(p) not in (set(SORTED_PARTS), set(HASHED_PARTS)))
     if incomplete:
         raise ValueError(f"the slot maps of tables {incomplete} hold neither sorted_ids and slots nor identities alone")
-    return {table: tuple(p[name] for name in (HASHED_PARTS if len(p) == 1 else SORTED_PARTS)) for table, p in parts.items()}
+    return {
+        table: tuple(p[name] for name in (HASHED_PARTS if len(p) == 1 else SORTED_PARTS)) for table, p in parts.items()
+    }

@@ -49,7 +49,9 @@ class _IdChecks:
     def __init__(self, features: Sequence[Feature], bag_cap: int, policy: OutOfRangePolicy) -> None:
         self.raw = np.asarray([f.raw_id_table is not None for f in features], dtype=bool)
         # an archive built before ZCH names no reserved id: its raw-id tables are MCH's
-        self.reserved = np.asarray([MCH_FREE_SLOT if f.reserved_raw_id is None else f.reserved_raw_id for f in features], np.int64)
+        self.reserved = np.asarray(
+            [MCH_FREE_SLOT if f.reserved_raw_id is None else f.reserved_raw_id for f in features], np.int64
+        )
         self.rows = np.asarray([f.rows for f in features], np.int64)  # a raw-id feature's: not a bound
         self.caps = np.asarray([f.max_length or bag_cap for f in features], dtype=np.int64)
         self.smallest_cap = int(self.caps.min()) if len(features) else bag_cap

@@ -4,8 +4,9 @@ The section's records are (slot, owner, row). The slots whose owner changes and 
 (``slot_maps.with_owners``, rebuilt outside the lock) go in one hold of the row lock; the other
 records (trained rows of slots that keep their owner) go in chunks at the model's pace, like an
 index table's rows. The new map's changed entries (MCH: a span; ZCH: the moved slots) are staged
-in a file in the working copy's folder before the hold: a writer that dies during the copy leaves the map half written, and the next
-writer copies the staged entries again rather than building a map from a torn one.
+in a file in the working copy's folder before the hold: a writer that dies during the copy
+leaves the map half written, and the next writer copies the staged entries again rather than
+building a map from a torn one.
 
     write_slots(delta, section, writer, lock, chunk_rows, staging=folder, pause=pacer)
     check_owners(writer, delta, pending)   # at publish: no id would own two slots
@@ -66,7 +67,8 @@ def stage(writer: TableWriter, table: str, records: np.ndarray, key: str) -> Sta
     served = writer.slot_map(table)
     slots, owners = _index(records["id"]), _index(records["owner"])
     if is_hashed(served) and bool((owners == ZCH_EMPTY_SLOT).any()):
-        raise DeltaError(f"tables.{table}.owners", f"raw id {ZCH_EMPTY_SLOT} marks an empty slot of a zch table: it owns none")
+        why = f"raw id {ZCH_EMPTY_SLOT} marks an empty slot of a zch table: it owns none"
+        raise DeltaError(f"tables.{table}.owners", why)
     now = owners_of(served)
     moved = slots[now[slots] != owners]
     try:
