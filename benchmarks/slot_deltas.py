@@ -91,9 +91,9 @@ def _new_ids(count: int, owned: np.ndarray, rng: np.random.Generator) -> np.ndar
 
 
 def torn_pairs(server: LocalTorchServe, model: str, archive: Path, weights_file: Path, table: str, publishes: int) -> dict:
-    """Registers ``model`` from ``archive`` (whose tables ``weights_file`` holds; its log empty),
-    publishes ``publishes`` deltas that swap two ids' slots under one-item traffic for one of
-    them, and unregisters it."""
+    """Publishes ``publishes`` deltas that swap two ids' slots under one-item traffic for one of
+    them to ``model`` (registered from ``archive``, whose tables ``weights_file`` holds; its log
+    empty), and unregisters it."""
     layout, spec = TablesLayout.load(archive), load_spec(archive / "spec.yaml")
     served = layout.table(table)
     assert served is not None
@@ -102,7 +102,6 @@ def torn_pairs(server: LocalTorchServe, model: str, archive: Path, weights_file:
     rows = {a: served_rows(torch.full((1, served.dim), 0.75), served), b: served_rows(torch.full((1, served.dim), -0.75), served)}
     folder = server.model_store / "deltas"
     folder.mkdir(exist_ok=True)
-    server.register(archive.name, initial_workers=1).raise_for_status()
     try:
         def request(raw_id: int) -> dict:
             return {"items": [{"dense": [0.5] * spec.dense_features, "sparse": {table_spec.features[0]: [raw_id]}}]}
