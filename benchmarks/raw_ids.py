@@ -1,7 +1,7 @@
 """The ``raw_ids`` scenarios: a model whose every table takes raw 64-bit ids (TorchRec's managed
 collisions: MCH, and again zero-collision hashing, ZCH), against the same model fed row ids.
 
-    make bench SCENARIO=raw_ids          # the Criteo 1TB row counts (177.9M slots), ~20 min
+    make bench SCENARIO=raw_ids          # the Criteo 1TB row counts (177.9M slots), ~25 min
     make bench SCENARIO=raw_ids-smoke    # tiny, a minute
 
 Three archives are built from one seed (``--init quantized``: the same tables, row for row): the
