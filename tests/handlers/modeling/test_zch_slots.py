@@ -10,7 +10,7 @@ import torch
 from handlers.modeling import tbe
 from handlers.modeling.errors import CheckpointError
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.raw_ids import HashRemap, first_probe_slots, random_slot_map, slot_owners, zch_insert
+from handlers.modeling.raw_ids import HashRemap, SlotRemap, first_probe_slots, random_slot_map, slot_owners, zch_insert
 from handlers.modeling.spec import TableSpec
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 
@@ -101,3 +101,11 @@ def test_a_zch_checkpoint_loads_without_its_trainings_metadata_and_wrong_setting
         other.load_checkpoint(wrong, trained)
         with pytest.raises(CheckpointError, match=r"t_item: \d+ of its \d+ raw ids are not where probing"):
             slot_owners(wrong)
+
+
+def test_a_slot_map_of_the_other_kind_is_refused_by_name():
+    ids = _ids(8, seed=4)
+    with pytest.raises(ValueError, match="a zch table's slot map is its identities alone, got an mch one"):
+        HashRemap(8, MAX_PROBE, 1).load((ids, torch.arange(8)))
+    with pytest.raises(ValueError, match="an mch table's slot map is sorted_ids and slots, got a zch one"):
+        SlotRemap(8).load((ids,))
