@@ -17,6 +17,7 @@ packaging.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -177,6 +178,9 @@ def package(
             "--force",
         ],
         check=True,
+        # the archiver copies the files into <temp dir>/<model name>: two builds of one name at
+        # once (parallel tests, two users) would share and delete each other's
+        env={**os.environ, "TMPDIR": str(staging.parent)},
     )
     archive = model_store / (name if unzipped else f"{name}.mar")
     if unzipped:
