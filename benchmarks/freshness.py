@@ -66,7 +66,7 @@ from tqdm import tqdm  # noqa: E402
 from archive_tools.delta import DeltaSource, make_delta  # noqa: E402
 from archive_tools.local_server import LocalTorchServe  # noqa: E402
 from benchmarks.building import build  # noqa: E402
-from benchmarks.load import BackgroundLoad, run_closed_loop  # noqa: E402
+from benchmarks.load import BackgroundLoad  # noqa: E402
 from benchmarks.disruptions import ok  # noqa: E402
 from benchmarks.freshness_figures import Timeline, measured, plot, summary  # noqa: E402
 from benchmarks.reliability import max_load  # noqa: E402
@@ -137,7 +137,6 @@ def run_freshness(scenario: FreshnessScenario, out_dir: Path) -> dict:
                            **_admission(scenario)))
         url = f"{server.inference_url}/predictions/{name}"
         auth = server.auth("inference")
-        run_closed_loop(url, auth, traffic, 8, 2.0, 10**6)  # warm-up
         figures.update(max_load(url, auth, traffic, scenario.max_load_step_s, scenario.max_load_step))
         figures["load_rps"] = rate = scenario.load_share * figures["max_load_rps"]
         progress = tqdm(total=len(deltas) + 2, desc=scenario.name, unit="step")
