@@ -81,7 +81,7 @@ SCENARIOS = {
     "smoke": Scenario(
         name="smoke",
         spec=MODELS / "tiny.yaml",
-        batch_sizes=(1, 8),
+        batch_sizes=(8,),  # batching off vs on is the full scenarios' comparison
         max_batch_delay_ms=5,
         max_queue_wait_ms=5000,
         workloads=(
@@ -98,7 +98,7 @@ SCENARIOS = {
         duration_s=1.0,
         pool_requests=64,
         measure_two_workers=True,
-        ceiling_s=0.3,
+        ceiling_s=0.1,
     ),
     "criteo": Scenario(
         name="criteo",
