@@ -43,6 +43,7 @@ import dataclasses
 import shutil
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -78,13 +79,14 @@ class RawIdsScenario:
     probe_publishes: int = 20
     swap_tables: tuple[str, ...] = ("t_cat_20", "t_cat_19")  # the first gives mch_swap_s (11.3M slots)
     swap_evictions: int = 10_000
+    parallel_builds: int = 1  # archives built at once (each build of the full size takes GiBs)
 
 
 RAW_IDS_SCENARIOS = {
     "raw_ids": RawIdsScenario("raw_ids", MODELS / "criteo_1tb.yaml", seconds=8.0, rounds=5, counted_requests=2000),
     "raw_ids-smoke": RawIdsScenario(
         "raw_ids-smoke", MODELS / "tiny.yaml", seconds=0.5, rounds=1, counted_requests=50, artifact="eager",
-        probe_table="t_user", probe_publishes=2, swap_tables=("t_user",), swap_evictions=100,
+        probe_table="t_user", probe_publishes=2, swap_tables=("t_user",), swap_evictions=100, parallel_builds=3,
     ),
 }
 
@@ -100,11 +102,15 @@ def run_raw_ids(scenario: RawIdsScenario, out_dir: Path) -> dict:
     for raw_spec in raw_specs.values():
         paths[raw_spec.name] = out_dir / f"{raw_spec.name}.yaml"
         raw_spec.to_yaml(paths[raw_spec.name])
-    for name, path in paths.items():
-        progress.set_postfix_str(f"build {name}")
+    progress.set_postfix_str("build")
+
+    def build_one(path: Path) -> None:
         build(path, store, "--init", "quantized", "--seed", "0", "--artifact", scenario.artifact,
-              "--archive-format", "no-archive")
+              "--archive-format", "no-archive", quiet=scenario.parallel_builds > 1)
         progress.update()
+
+    with ThreadPoolExecutor(scenario.parallel_builds) as builds:  # child processes
+        list(builds.map(build_one, paths.values()))
     weights = {name: weights_file(store / name) for name in paths}
     rows = TrafficModel(items_per_request=1).generate(spec, 512, seed=1)
     maps, traffic, unseen_true = {}, {spec.name: rows}, {}
