@@ -65,5 +65,5 @@ def flip_first_row_byte(data: bytearray) -> bytearray:
 def build_paced(checkpoint: Path, store: Path, name: str) -> Path:
     return build_archive(
         TINY_SPEC, checkpoint=checkpoint, seed=0, name=name, version="1.0", model_store=store,
-        serving=ServingConfig(batch_size=8, max_batch_delay_ms=5, delta_rows_per_s=100),
+        serving=ServingConfig(batch_size=8, max_batch_delay_ms=5, delta_rows_per_s=200),
     )

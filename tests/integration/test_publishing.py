@@ -326,7 +326,7 @@ def _unpacked_folder(setup, tmp_path) -> Path:
 
 
 def test_workers_killed_during_an_apply_resume_it(setup, server, tmp_path):
-    """A model whose deltas are written at 100 rows/s (643 rows: about 6 s): both its workers are killed halfway through
+    """A model whose deltas are written at 200 rows/s (643 rows: about 3 s): both its workers are killed halfway through
     one; their replacements finish it from where the state file says, before they serve."""
     build_paced(setup["root"] / "base.pt", setup["store"], "tiny_slow")
     assert server.register("tiny_slow.mar", initial_workers=2).status_code == 200
