@@ -33,6 +33,8 @@ from archive_tools.resources import config_dir
 from handlers.runtime.errors import InputError
 from handlers.runtime.freshness.shared_tables import sweep
 
+VMARGS_ENV = "TORCHREC_SERVE_VMARGS"  # more JVM flags for the frontend, after the config's
+
 _PORT_KEYS = {
     "inference_address": "http://127.0.0.1:{}",
     "management_address": "http://127.0.0.1:{}",
@@ -89,7 +91,9 @@ class PortTaken(RuntimeError):
 class LocalTorchServe:
     """``free_ports``: each listener on a free loopback port (tests, benchmarks, several servers on
     one machine); else on the ports ``config`` names, refused clearly when one is taken.
-    ``settings`` replace or add config.properties keys (e.g. ``{"token_expiration_min": "0.1"}``).
+    ``settings`` replace or add config.properties keys (e.g. ``{"token_expiration_min": "0.1"}``);
+    the environment's ``TORCHREC_SERVE_VMARGS`` is added to the frontend's JVM flags (the test
+    suite's servers live seconds: it sets ``-XX:TieredStopAtLevel=1``, a third less JIT CPU).
 
     Its calls authenticate with keys that stay valid (``archive_tools.keys.TokenKeys``): refreshed
     before they expire, and a call refused for its key is retried once with a fresh one."""
@@ -347,10 +351,10 @@ class LocalTorchServe:
         # The frontend unpacks each .mar under java.io.tmpdir/models/ and, stopped by a signal,
         # leaves it there (652 folders, 1.6 GiB in /tmp here): under the working directory, the
         # unpacked archives go with it.
-        tmpdir = f"-Djava.io.tmpdir={self.workdir / 'tmp'}"
-        text, count = re.subn(r"^vmargs=(.*)$", lambda m: f"vmargs={m.group(1)} {tmpdir}", text, flags=re.M)
+        vmargs = " ".join(filter(None, [f"-Djava.io.tmpdir={self.workdir / 'tmp'}", os.environ.get(VMARGS_ENV)]))
+        text, count = re.subn(r"^vmargs=(.*)$", lambda m: f"vmargs={m.group(1)} {vmargs}", text, flags=re.M)
         if count == 0:
-            text += f"\nvmargs={tmpdir}\n"
+            text += f"\nvmargs={vmargs}\n"
         return text
 
 

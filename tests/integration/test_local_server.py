@@ -7,12 +7,13 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import requests
 
 from archive_tools.cli import main
 from archive_tools.keys import TokenKeys
-from archive_tools.local_server import LocalTorchServe, PortTaken, ServerDied
+from archive_tools.local_server import VMARGS_ENV, LocalTorchServe, PortTaken, ServerDied
 from archive_tools.resources import config_dir
 
 pytestmark = pytest.mark.integration
@@ -37,12 +38,18 @@ def test_unexpected_error_while_starting_stops_the_server(tmp_path, monkeypatch)
     assert server.process is not None and server.process.poll() is not None, "server left running"
 
 
-def test_two_local_servers_run_side_by_side(tmp_path):
-    """Each server has its own working directory (pid file, keys, logs) and free ports."""
+def test_two_local_servers_run_side_by_side(tmp_path, monkeypatch):
+    """Each server has its own working directory (pid file, keys, logs) and free ports; the
+    environment's extra JVM flags reach the frontend after the config's."""
+    monkeypatch.setenv(VMARGS_ENV, "-XX:TieredStopAtLevel=1 -Dtorchrec_serve.probe=yes")
     with LocalTorchServe(model_store=tmp_path) as first, LocalTorchServe(model_store=tmp_path) as second:
         assert first.workdir != second.workdir and set(first.ports.values()).isdisjoint(second.ports.values())
         for server in (first, second):
             assert requests.get(f"{server.inference_url}/ping", headers=server.auth("inference"), timeout=10).ok
+            java = next(p for p in psutil.Process(server.process.pid).children(recursive=True) if p.name() == "java")
+            flags = java.cmdline()
+            assert {"-XX:TieredStopAtLevel=1", "-Dtorchrec_serve.probe=yes", "-Dlog4j.configurationFile="
+                    f"{config_dir() / 'log4j2.xml'}", f"-Djava.io.tmpdir={server.workdir / 'tmp'}"} <= set(flags), flags
 
 
 def test_kept_logs_leave_out_the_servers_temporary_folder(tmp_path):
