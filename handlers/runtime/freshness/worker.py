@@ -70,10 +70,20 @@ WORKERS_FOLDER = "freshness-workers"
 CALLS_EVERY_S = 0.05  # how often the plugin's calls are looked for
 FOLLOW_EVERY_S = 0.2  # how often the log is
 SWEEP_EVERY_S = 60.0  # copies of tables no worker serves any more are removed
-RETRY_AFTER_S = 10.0  # a log entry that failed the same way twice is tried again this much later
+RETRY_AFTER_S = 10.0  # a log entry that failed the same way twice is tried again this much later,
+# or as soon as a rollback is asked for
 # A loading worker's replay of the log: about a quarter of a core here. Faster, it would fill the
 # cores that an older version serves on (see ``freshness.background``).
 CATCH_UP_ROWS_PER_S = 500_000.0
+
+
+def _until_rollback_asked(log: Path, seconds: float) -> None:
+    """Waits ``seconds``, or less: until a rollback other than the one pending now is asked for
+    (through any of the model's workers; it may undo the entry that failed)."""
+    asked = pending_rollback(log)
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0 and pending_rollback(log) == asked:
+        time.sleep(min(FOLLOW_EVERY_S, left))
 
 
 class WorkerFreshness:
@@ -219,7 +229,7 @@ class WorkerFreshness:
                 if self.error != str(e):
                     logger.exception("applying the delta log %s failed", log)
                 else:  # the same again: try less often (a raw-id table's map is rebuilt each try)
-                    time.sleep(RETRY_AFTER_S)
+                    _until_rollback_asked(log, RETRY_AFTER_S)
                 self.error = str(e)
 
     def _sync_dense(self, log: Path) -> None:

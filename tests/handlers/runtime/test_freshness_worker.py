@@ -16,7 +16,7 @@ import torch
 from handlers.runtime.archive_files import LOG_POINTER
 from handlers.runtime.freshness.applier import AppliedState, Pace, TableWriter
 from handlers.runtime.freshness.follower import LogFollower
-from handlers.runtime.freshness.log import ROLLBACK_MARK
+from handlers.runtime.freshness.log import ROLLBACK_MARK, mark_rollback
 from handlers.runtime.freshness.protocol import PROTOCOL, reply_bytes
 from handlers.runtime.freshness.shared_tables import SharedTables
 from handlers.runtime.freshness import worker
@@ -109,28 +109,59 @@ def test_a_worker_loading_past_a_log_entry_it_cannot_apply_serves_what_it_applie
     assert state.error is not None and "truncated, or not a delta file" in state.error, state.error
 
 
-def test_a_log_entry_failing_the_same_way_again_is_logged_once_and_retried_less_often(tmp_path, monkeypatch, caplog):
-    """The follower thread tries the log every ``FOLLOW_EVERY_S``; an entry that fails the same
-    way twice is tried again only after ``RETRY_AFTER_S`` (each try of a raw-id section rebuilds
-    a table's slot map) and logged once; another error is logged again."""
-    errors = iter(["bad entry 2", "bad entry 2", "bad entry 2", "bad entry 3"])
+def _failing_follower(
+    tmp_path, monkeypatch, errors: list[str], clock: list[float], tries: list[float], on_sleep=lambda: None
+) -> WorkerFreshness:
+    """A worker whose follower fails with ``errors`` in turn (then ends the loop), on a clock
+    that only its sleeps move; ``tries``: the clock at each of the follower's tries."""
+    messages = iter(errors)
 
     class Follower:
         def catch_up(self, log, pace) -> None:
-            message = next(errors, None)
+            tries.append(clock[0])
+            message = next(messages, None)
             if message is None:
                 raise _Stop
             raise RuntimeError(message)
 
-    slept = []
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+        on_sleep()
+
     worker_module = "handlers.runtime.freshness.worker"
     monkeypatch.setattr(f"{worker_module}.lower_this_thread", lambda: None)  # not the test's own thread
     monkeypatch.setattr(f"{worker_module}.log_of", lambda model_dir: tmp_path / "log")
-    monkeypatch.setattr(worker, "time", types.SimpleNamespace(sleep=slept.append, monotonic=time.monotonic))
+    monkeypatch.setattr(worker, "time", types.SimpleNamespace(sleep=sleep, monotonic=lambda: clock[0]))
+    (tmp_path / "log").mkdir()
     freshness = WorkerFreshness.__new__(WorkerFreshness)
     freshness.follower, freshness.error, freshness.pace, freshness.model_dir = Follower(), None, Pace(), tmp_path
+    return freshness
+
+
+def test_a_log_entry_failing_the_same_way_again_is_logged_once_and_retried_less_often(tmp_path, monkeypatch, caplog):
+    """The follower thread tries the log every ``FOLLOW_EVERY_S``; an entry that fails the same
+    way twice is tried again only after ``RETRY_AFTER_S`` (each try of a raw-id section rebuilds
+    a table's slot map) and logged once; another error is logged again."""
+    clock, tries = [0.0], []
+    freshness = _failing_follower(tmp_path, monkeypatch, ["bad entry 2"] * 3 + ["bad entry 3"], clock, tries)
     with pytest.raises(_Stop):
         freshness._follow()
     follow, retry = worker.FOLLOW_EVERY_S, worker.RETRY_AFTER_S
-    assert slept == [follow, follow, retry, follow, retry, follow, follow]
+    gaps = np.diff(tries)
+    assert gaps == pytest.approx([follow, retry + follow, retry + follow, follow]), gaps
     assert caplog.text.count("applying the delta log") == 2 and freshness.error == "bad entry 3"
+
+
+def test_a_rollback_asked_while_a_failed_entry_waits_is_tried_at_once(tmp_path, monkeypatch):
+    """A rollback asked for (through any worker: its mark beside the log) ends the wait before a
+    failed entry's next try: it may undo that entry."""
+    clock, tries = [0.0], []
+
+    def ask_a_rollback_at_3_s() -> None:
+        if clock[0] >= 3.0 and not (tmp_path / "log" / ROLLBACK_MARK).exists():
+            mark_rollback(tmp_path / "log", 0, 2)
+
+    freshness = _failing_follower(tmp_path, monkeypatch, ["bad entry 2"] * 3, clock, tries, ask_a_rollback_at_3_s)
+    with pytest.raises(_Stop):
+        freshness._follow()
+    assert tries[1] < 3.0 <= tries[2] <= 3.0 + 2 * worker.FOLLOW_EVERY_S, tries  # not RETRY_AFTER_S after tries[1]
