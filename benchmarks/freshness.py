@@ -114,8 +114,8 @@ FRESHNESS_SCENARIOS = {
         "freshness-smoke", MODELS / "tiny.yaml",
         # eager: an AOTI compile would double its time; deltas into AOTI packages are test_publishing's
         ("--archive-format", "no-archive"),
-        workers=2, deltas=6, rows_per_delta=300, rolled_back=3, rounds=2, idle_s=3.0, max_load_step_s=1.0,
-        max_load_step=0.25, load_share=0.15, max_queue_wait_ms=5000,  # the test suite runs it beside other tests
+        workers=2, deltas=6, rows_per_delta=300, rolled_back=3, rounds=1, idle_s=2.0, max_load_step_s=1.0,
+        max_load_step=0.5, load_share=0.15, max_queue_wait_ms=5000,  # the test suite runs it beside other tests
     ),
 }
 
