@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def fresh_env(tmp_path_factory):
     root = tmp_path_factory.mktemp("fresh")
-    venv.create(root / "venv", with_pip=True)
+    venv.create(root / "venv")  # no pip of its own: the project's installs into it (--python)
     python = root / "venv" / "bin" / "python"
     site = subprocess.check_output(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
@@ -40,7 +40,7 @@ def fresh_env(tmp_path_factory):
     )
     wheel = next(wheels.glob("torchrec_serve-*.whl"))
     subprocess.run(
-        [str(python), "-m", "pip", "install", "--no-deps", "-q", str(wheel)],
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
         check=True, capture_output=True, timeout=600,
     )
     return root / "venv" / "bin"
