@@ -26,7 +26,7 @@ import requests
 from archive_tools.keys import TokenKeys
 from handlers.runtime.archive import Archive
 from handlers.runtime.inputs import InputSchema
-from handlers.runtime.wire.v2_answers import HEADER_LENGTH
+from handlers.runtime.wire.v2_headers import HEADER_LENGTH
 from handlers.runtime.wire.v2_tensors import decode_response, encode_request
 
 Item = Mapping[str, Any]  # {"dense": [D floats], "sparse": {feature: [ids] or {"ids", "weights"}}}

@@ -24,14 +24,16 @@ import itertools
 import multiprocessing
 import time
 from collections import Counter
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 from urllib.parse import urlsplit
 
 import aiohttp
 import numpy as np
 
-from benchmarks.traffic import Traffic
-from handlers.runtime.wire.v2_answers import BINARY, HEADER_LENGTH
+from handlers.runtime.wire.v2_headers import BINARY, HEADER_LENGTH
+
+if TYPE_CHECKING:  # not imported at run time: BackgroundLoad's process imports this module alone
+    from benchmarks.traffic import Traffic
 
 PERCENTILES = (50, 90, 99, 99.9)
 
@@ -177,9 +179,10 @@ class BackgroundLoad:
         self._sending = context.Event()
         self._stopping = context.Event()
         self._results = context.Queue()
+        sent = _Sent(traffic.bodies, traffic.items, traffic.header_lengths)  # unpickled without benchmarks.traffic
         self._process = context.Process(
             target=_background,
-            args=((url, headers, traffic, rate, max_s, 1024, 0), self._sending, self._stopping, self._results),
+            args=((url, headers, sent, rate, max_s, 1024, 0), self._sending, self._stopping, self._results),
             daemon=True,
         )
         self.result: LoadResult | None = None
@@ -200,6 +203,15 @@ class BackgroundLoad:
             self.result = self._results.get(timeout=300)  # before join: a full pipe blocks the child
             self._process.join(timeout=30)
         return self.result
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sent:
+    """A ``Traffic``'s bodies as the load sends them (``traffic`` of the loops below)."""
+
+    bodies: list[bytes]
+    items: list[int]
+    header_lengths: list[int] | None
 
 
 def _background(arguments: tuple, sending: Any, stopping: Any, results: Any) -> None:

@@ -22,7 +22,7 @@ import orjson
 
 from benchmarks.load import LoadResult, check_loopback
 from benchmarks.traffic import Traffic
-from handlers.runtime.wire.v2_answers import HEADER_LENGTH
+from handlers.runtime.wire.v2_headers import HEADER_LENGTH
 
 WRK_THREADS = 1  # one thread sends ~25,000 requests/s here: the server is the bottleneck long before
 

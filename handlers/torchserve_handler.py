@@ -42,7 +42,7 @@ from handlers.runtime.freshness.worker import LockedRunner, WorkerFreshness
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.remote.lookups import ShardedLookups
 from handlers.runtime.service import ScoringService
-from handlers.runtime.wire.v2_answers import HEADER_LENGTH
+from handlers.runtime.wire.v2_headers import HEADER_LENGTH
 from handlers.runtime.wire.transport import Arrival
 from handlers.torchserve_internals import read_frames_buffered
 from handlers.torchserve_metrics import MetricsPublisher, quiet_per_batch_lines

@@ -4,6 +4,8 @@ import asyncio
 import collections
 import gc
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -12,7 +14,7 @@ from aiohttp import web
 from benchmarks.load import run_closed_loop, run_open_loop
 from benchmarks.traffic import Traffic
 from benchmarks.wrk import run_wrk
-from handlers.runtime.wire.v2_answers import HEADER_LENGTH
+from handlers.runtime.wire.v2_headers import HEADER_LENGTH
 
 
 @pytest.fixture
@@ -78,6 +80,17 @@ def test_closed_loop_counts_requests_and_items(server):
     assert result.requests == 40 and result.statuses == {"200": 40}
     assert result.items == 20 * (1 + 3)
     assert min(seen) > 1000 and gc.get_freeze_count() == 0
+
+
+def test_the_background_loads_process_imports_no_torch():
+    """``BackgroundLoad`` spawns a process that imports ``benchmarks.load`` and unpickles what it
+    sends: with torch (and TorchRec, through ``benchmarks.traffic``) that was 4 s of CPU for each
+    load, on the machine it measures."""
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys, benchmarks.load; print(sorted({m.split('.')[0] for m in sys.modules}))"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    assert "'torch'" not in imported and "'benchmarks'" in imported, imported
 
 
 def test_only_loopback_is_loaded():

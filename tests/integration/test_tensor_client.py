@@ -18,7 +18,7 @@ from archive_tools.client import ScoringClient
 from archive_tools.local_server import LocalTorchServe
 from handlers.runtime.remote.grpc_stubs import inference_stub
 from handlers.runtime.remote.grpc_stubs import messages as grpc_messages
-from handlers.runtime.wire.v2_answers import HEADER_LENGTH
+from handlers.runtime.wire.v2_headers import HEADER_LENGTH
 from handlers.runtime.wire.v2_tensors import encode_request
 from tests.conftest import RANKER_SPEC, TINY_SPEC
 from tests.helpers import items_request

@@ -39,7 +39,8 @@ from handlers.runtime.inputs import JaggedIds
 from handlers.runtime.remote.plan import Deadline, ShardRoute
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.messages import BinaryBody
-from handlers.runtime.wire.v2_answers import EMBEDDINGS, HEADER_LENGTH
+from handlers.runtime.wire.v2_answers import EMBEDDINGS
+from handlers.runtime.wire.v2_headers import HEADER_LENGTH
 from handlers.runtime.wire.v2_tensors import V2Error, decode_response, encode_request
 
 # gRPC settings of every shard channel: reconnect soon after a replica comes back (gRPC's default

@@ -40,7 +40,7 @@ from handlers.runtime.wire.json_values import (
     reject_unknown,
 )
 from handlers.runtime.wire.kserve_v2 import V2Decoder
-from handlers.runtime.wire.v2_answers import HEADER_LENGTH
+from handlers.runtime.wire.v2_headers import HEADER_LENGTH
 from handlers.runtime.wire.messages import (
     BinaryBody,
     DecodedBatch,

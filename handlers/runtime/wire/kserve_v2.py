@@ -60,7 +60,8 @@ from handlers.runtime.inputs import InputSchema, JaggedIds, Output, RequestInput
 from handlers.runtime.validation import RequestChecks, bag_position
 from handlers.runtime.wire.json_values import finite_float32s, int_array, json_type, reject_unknown
 from handlers.runtime.wire.messages import DecodedRequest, DecodedRows, as_tensor
-from handlers.runtime.wire.v2_answers import EMBEDDINGS, HEADER_LENGTH, V2Encoder
+from handlers.runtime.wire.v2_answers import EMBEDDINGS, V2Encoder
+from handlers.runtime.wire.v2_headers import HEADER_LENGTH
 
 # v2 datatypes this model's inputs may come in, as little-endian numpy dtypes
 FLOAT_TYPES = {"FP16": "<f2", "FP32": "<f4", "FP64": "<f8"}

@@ -13,9 +13,7 @@ import torch
 
 from handlers.runtime.errors import ServingError
 from handlers.runtime.wire.messages import Response
-
-HEADER_LENGTH = "Inference-Header-Content-Length"
-BINARY = "application/octet-stream"
+from handlers.runtime.wire.v2_headers import BINARY, HEADER_LENGTH
 EMBEDDINGS = "embeddings"  # an embedding shard's only output
 
 
