@@ -186,7 +186,7 @@ class WorkerFreshness:
                 self.follower.catch_up(log, Pace(CATCH_UP_ROWS_PER_S, self.pace.chunk_rows))  # or another worker does
                 if self.follower.behind(log):
                     time.sleep(0.05)
-        except DeltaError as e:  # a log entry that cannot be applied: serve what is applied, and say so
+        except Exception as e:  # an entry or a rollback that fails: serve what is applied, say why
             logger.exception("the delta log %s cannot be applied past sequence %d", log, AppliedState.read(self.folder).sequence)
             self.error = str(e)
         if log is not None:

@@ -109,6 +109,30 @@ def test_a_worker_loading_past_a_log_entry_it_cannot_apply_serves_what_it_applie
     assert state.error is not None and "truncated, or not a delta file" in state.error, state.error
 
 
+def test_a_worker_loading_while_a_rollback_cannot_be_carried_out_serves_what_is_applied_and_says_why(tmp_path):
+    """Not only a bad delta file: any error of the log's replay (here a rollback whose undo is
+    gone) leaves a loading worker serving the tables as applied and saying why, as the follower
+    thread does once it serves; failing the load would have TorchServe restart it into the same."""
+    path, _, buffers = _weights_file(tmp_path)
+    log = tmp_path / "log"
+    log.mkdir()
+    _write(log / "00000001.delta")
+    _write(log / "00000002.delta", sequence=2, sections=[(TABLES[0], np.array([3, 4]), _rows(TABLES[0], 2, 9))])
+    tables = SharedTables(tmp_path, path, hold=-1)
+    lock = WorkerFreshness(tmp_path, tables, LAYOUT, Pace()).lock
+    LogFollower(tmp_path, LAYOUT, TableWriter(path, buffers, LAYOUT), lock, Pace()).catch_up(log, Pace())
+    applied = _table_a(buffers).clone()
+    (log / "00000001.undo").unlink()
+    loading = WorkerFreshness(tmp_path, tables, LAYOUT, Pace())
+    assert _calls(loading, log)(op="rollback", to=0)["status"] == 200
+    loading.dense = "no dense weights to follow"  # as start() sets it for a runner without any
+    loading._prepare()
+    state = loading.state(log)
+    assert (state.applied_sequence, state.log_head, state.rolling_back_to) == (2, 2, 0)
+    assert state.error is not None and "00000001.undo missing" in state.error, state.error
+    assert torch.equal(_table_a(buffers), applied)
+
+
 def _failing_follower(
     tmp_path, monkeypatch, errors: list[str], clock: list[float], tries: list[float], on_sleep=lambda: None
 ) -> WorkerFreshness:
