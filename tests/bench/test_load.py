@@ -86,10 +86,8 @@ def test_the_background_loads_process_imports_no_torch():
     """``BackgroundLoad`` spawns a process that imports ``benchmarks.load`` and unpickles what it
     sends: with torch (and TorchRec, through ``benchmarks.traffic``) that was 4 s of CPU for each
     load, on the machine it measures."""
-    imported = subprocess.run(
-        [sys.executable, "-c", "import sys, benchmarks.load; print(sorted({m.split('.')[0] for m in sys.modules}))"],
-        capture_output=True, text=True, check=True,
-    ).stdout
+    listing = "import sys, benchmarks.load; print(sorted({m.split('.')[0] for m in sys.modules}))"
+    imported = subprocess.run([sys.executable, "-c", listing], capture_output=True, text=True, check=True).stdout
     assert "'torch'" not in imported and "'benchmarks'" in imported, imported
 
 
