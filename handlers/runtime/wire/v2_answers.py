@@ -14,6 +14,7 @@ import torch
 from handlers.runtime.errors import ServingError
 from handlers.runtime.wire.messages import Response
 from handlers.runtime.wire.v2_headers import BINARY, HEADER_LENGTH
+
 EMBEDDINGS = "embeddings"  # an embedding shard's only output
 
 
