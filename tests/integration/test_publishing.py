@@ -200,10 +200,8 @@ def test_a_sequence_out_of_order_is_refused(setup, server, tmp_path):
 def test_a_model_loaded_at_the_servers_start_refuses_deltas_naming_why(setup):
     """Loaded by TorchServe itself (``load_models``), not through the plugin's /models: no delta
     log is named for it, so a publish is a 409 saying how to register it, not a wait for
-    workers that will not answer (the answer needs none: it starts none)."""
-    loaded = {"load_models": "tiny_eager.mar", "default_workers_per_model": "0"}
-    with LocalTorchServe(model_store=setup["store"], settings=loaded) as started:
-        assert started.management("GET", "/models").json()["models"][0]["modelName"] == "tiny_eager"
+    workers that will not answer."""
+    with LocalTorchServe(model_store=setup["store"], settings={"load_models": "tiny_eager.mar"}) as started:
         response = _publish(started, "tiny_eager", "eager-1.delta")
     assert response.status_code == 409, response.text
     assert "POST /models" in response.json()["message"], response.text

@@ -77,13 +77,20 @@ RETRY_AFTER_S = 10.0  # a log entry that failed the same way twice is tried agai
 CATCH_UP_ROWS_PER_S = 500_000.0
 
 
-def _until_rollback_asked(log: Path, seconds: float) -> None:
-    """Waits ``seconds``, or less: until a rollback other than the one pending now is asked for
-    (through any of the model's workers; it may undo the entry that failed)."""
-    asked = pending_rollback(log)
+def _until_rollback_asked(log: Path, asked: dict[str, int] | None, seconds: float) -> None:
+    """Waits ``seconds``, or less: until the log's rollback mark is other than ``asked`` (a
+    rollback asked through any of the model's workers; it may undo the entry that failed)."""
     deadline = time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0 and pending_rollback(log) == asked:
+    while (left := deadline - time.monotonic()) > 0 and _rollback_mark(log) == asked:
         time.sleep(min(FOLLOW_EVERY_S, left))
+
+
+def _rollback_mark(log: Path) -> dict[str, int] | None:
+    """``pending_rollback``, or None where the mark cannot be read now (the follower goes on)."""
+    try:
+        return pending_rollback(log)
+    except (OSError, ValueError):
+        return None
 
 
 class WorkerFreshness:
@@ -221,6 +228,7 @@ class WorkerFreshness:
             log = log_of(self.model_dir)
             if log is None:
                 continue
+            asked = _rollback_mark(log)  # before the try: a rollback asked during it ends the wait below
             try:
                 self.follower.catch_up(log, self.pace)  # type: ignore[union-attr]  # made before this thread
                 self._sync_dense(log)
@@ -229,7 +237,7 @@ class WorkerFreshness:
                 if self.error != str(e):
                     logger.exception("applying the delta log %s failed", log)
                 else:  # the same again: try less often (a raw-id table's map is rebuilt each try)
-                    _until_rollback_asked(log, RETRY_AFTER_S)
+                    _until_rollback_asked(log, asked, RETRY_AFTER_S)
                 self.error = str(e)
 
     def _sync_dense(self, log: Path) -> None:

@@ -4,7 +4,6 @@ here."""
 
 from __future__ import annotations
 
-import time
 import types
 from pathlib import Path
 
@@ -134,7 +133,8 @@ def test_a_worker_loading_while_a_rollback_cannot_be_carried_out_serves_what_is_
 
 
 def _failing_follower(
-    tmp_path, monkeypatch, errors: list[str], clock: list[float], tries: list[float], on_sleep=lambda: None
+    tmp_path, monkeypatch, errors: list[str], clock: list[float], tries: list[float], on_sleep=lambda: None,
+    on_try=lambda: None,
 ) -> WorkerFreshness:
     """A worker whose follower fails with ``errors`` in turn (then ends the loop), on a clock
     that only its sleeps move; ``tries``: the clock at each of the follower's tries."""
@@ -143,6 +143,7 @@ def _failing_follower(
     class Follower:
         def catch_up(self, log, pace) -> None:
             tries.append(clock[0])
+            on_try()
             message = next(messages, None)
             if message is None:
                 raise _Stop
@@ -176,16 +177,22 @@ def test_a_log_entry_failing_the_same_way_again_is_logged_once_and_retried_less_
     assert caplog.text.count("applying the delta log") == 2 and freshness.error == "bad entry 3"
 
 
-def test_a_rollback_asked_while_a_failed_entry_waits_is_tried_at_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("asked_during", ["the wait", "the failing try"])
+def test_a_rollback_asked_while_a_failed_entry_waits_is_tried_at_once(tmp_path, monkeypatch, asked_during):
     """A rollback asked for (through any worker: its mark beside the log) ends the wait before a
-    failed entry's next try: it may undo that entry."""
+    failed entry's next try, also when asked while the try that failed ran: it may undo that entry."""
     clock, tries = [0.0], []
 
-    def ask_a_rollback_at_3_s() -> None:
-        if clock[0] >= 3.0 and not (tmp_path / "log" / ROLLBACK_MARK).exists():
+    def ask_a_rollback() -> None:
+        if not (tmp_path / "log" / ROLLBACK_MARK).exists():
             mark_rollback(tmp_path / "log", 0, 2)
 
-    freshness = _failing_follower(tmp_path, monkeypatch, ["bad entry 2"] * 3, clock, tries, ask_a_rollback_at_3_s)
+    if asked_during == "the wait":  # 3 s into it
+        hooks = {"on_sleep": lambda: clock[0] >= 3.0 and ask_a_rollback()}
+    else:  # during the second try, whose failure (the same again) starts the wait
+        hooks = {"on_try": lambda: len(tries) == 2 and ask_a_rollback()}
+    freshness = _failing_follower(tmp_path, monkeypatch, ["bad entry 2"] * 3, clock, tries, **hooks)
     with pytest.raises(_Stop):
         freshness._follow()
-    assert tries[1] < 3.0 <= tries[2] <= 3.0 + 2 * worker.FOLLOW_EVERY_S, tries  # not RETRY_AFTER_S after tries[1]
+    asked_at = 3.0 if asked_during == "the wait" else tries[1]
+    assert asked_at <= tries[2] <= asked_at + 2 * worker.FOLLOW_EVERY_S, tries  # not RETRY_AFTER_S after tries[1]
