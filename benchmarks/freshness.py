@@ -115,7 +115,8 @@ FRESHNESS_SCENARIOS = {
         # eager: an AOTI compile would double its time; deltas into AOTI packages are test_publishing's
         ("--archive-format", "no-archive"),
         workers=2, deltas=6, rows_per_delta=300, rolled_back=3, rounds=1, idle_s=2.0, max_load_step_s=1.0,
-        max_load_step=0.5, load_share=0.15, max_queue_wait_ms=5000,  # the test suite runs it beside other tests
+        max_load_step=0.375, load_share=0.15,  # max-load steps at 25, 62.5 and 100%
+        max_queue_wait_ms=5000,  # the test suite runs it beside other tests
     ),
 }
 

@@ -101,7 +101,7 @@ RELIABILITY_SCENARIOS = {
     "reliability-smoke": ReliabilityScenario(
         "reliability-smoke", MODELS / "tiny.yaml", (),
         soak_s=2.0, phase_s=1.0, scale_trials=1, fuzz_cases=100, overload_s=2.0,
-        log_s=1.0, log_rate=200.0, candidate_features=("item_id",), load_step=0.5, token_lifetimes=4,
+        log_s=1.0, log_rate=200.0, candidate_features=("item_id",), load_step=0.375, token_lifetimes=4,
         load_scale=0.5, max_queue_wait_ms=5000,
         # the test suite checks these against a real TorchServe already (tests/integration:
         # test_plugin's hung worker, scale-down, overload and a new worker's start priority,
