@@ -12,4 +12,7 @@ def build(spec: Path, store: Path, *args: str, quiet: bool = False) -> None:
     """``torchrec-serve build --spec SPEC --model-store STORE ARGS...``; ``quiet``: its output kept
     back (shown only if it fails, in the raised error)."""
     command = [sys.executable, "-m", "archive_tools", "build", "--spec", str(spec), "--model-store", str(store), *args]
-    subprocess.run(command, check=True, capture_output=quiet)
+    done = subprocess.run(command, capture_output=quiet, text=True)
+    if done.returncode != 0:
+        kept = f":\n{done.stdout[-2000:]}{done.stderr[-3000:]}" if quiet else " (its output is above)"
+        raise RuntimeError(f"building {spec} failed with exit status {done.returncode}{kept}")
