@@ -180,9 +180,10 @@ class BackgroundLoad:
         self._stopping = context.Event()
         self._results = context.Queue()
         sent = _Sent(traffic.bodies, traffic.items, traffic.header_lengths)  # unpickled without benchmarks.traffic
+        self.arguments = (url, headers, sent, rate, max_s, 1024, 0)  # what the process is sent, pickled
         self._process = context.Process(
             target=_background,
-            args=((url, headers, sent, rate, max_s, 1024, 0), self._sending, self._stopping, self._results),
+            args=(self.arguments, self._sending, self._stopping, self._results),
             daemon=True,
         )
         self.result: LoadResult | None = None

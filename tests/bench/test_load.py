@@ -3,6 +3,7 @@
 import asyncio
 import collections
 import gc
+import pickle
 import socket
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import threading
 import pytest
 from aiohttp import web
 
-from benchmarks.load import run_closed_loop, run_open_loop
+from benchmarks.load import BackgroundLoad, run_closed_loop, run_open_loop
 from benchmarks.traffic import Traffic
 from benchmarks.wrk import run_wrk
 from handlers.runtime.wire.v2_headers import HEADER_LENGTH
@@ -84,10 +85,11 @@ def test_closed_loop_counts_requests_and_items(server):
 
 def test_the_background_loads_process_imports_no_torch():
     """``BackgroundLoad`` spawns a process that imports ``benchmarks.load`` and unpickles what it
-    sends: with torch (and TorchRec, through ``benchmarks.traffic``) that was 4 s of CPU for each
+    is sent: with torch (and TorchRec, through ``benchmarks.traffic``) that was 4 s of CPU for each
     load, on the machine it measures."""
-    listing = "import sys, benchmarks.load; print(sorted({m.split('.')[0] for m in sys.modules}))"
-    imported = subprocess.run([sys.executable, "-c", listing], capture_output=True, text=True, check=True).stdout
+    sent = pickle.dumps(BackgroundLoad("http://127.0.0.1:1/p", {}, TRAFFIC, rate=10).arguments)
+    listing = "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); print(sorted({m.split('.')[0] for m in sys.modules}))"
+    imported = subprocess.run([sys.executable, "-c", listing], input=sent, capture_output=True, check=True).stdout.decode()
     assert "'torch'" not in imported and "'benchmarks'" in imported, imported
 
 
