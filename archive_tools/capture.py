@@ -17,6 +17,7 @@ import torch
 from archive_tools.export import compile_aoti, export_model, table_constants
 from handlers.modeling.eager import EagerModel, load_eager_model
 from handlers.modeling.factory import DLRMFactory
+from handlers.modeling.raw_ids import served_slot_maps
 from handlers.modeling.registry import architecture_of, load_spec, synthetic_request
 from handlers.modeling.spec import ModelSpec, ShardingType
 from handlers.runtime.archive_files import SPEC, WEIGHTS
@@ -24,6 +25,7 @@ from handlers.runtime.artifacts import Artifact
 from handlers.runtime.batching import coalesce
 from handlers.runtime.errors import InputError
 from handlers.runtime.freshness.layout import TablesLayout
+from handlers.runtime.slot_maps import SlotMap
 from handlers.runtime.split import EMBEDDINGS_INPUT, SplitPlan, dense_tags, sparse_tags
 from handlers.runtime.wire.decoder import RequestDecoder
 
@@ -59,7 +61,7 @@ def capture(staging: Path, artifact: Artifact, split: SplitPlan | None) -> None:
     )
     if split is None:
         program = export_model(eager.module, tags, example, spec.min_requests)
-        _save_graph(program, staging, artifact, "model")
+        _save_graph(program, staging, artifact, "model", served_slot_maps(eager.module))
         _name_table_constants(staging, eager.module)
     else:
         sparse, dense = architecture_of(spec).split(eager.module)
@@ -67,7 +69,7 @@ def capture(staging: Path, artifact: Artifact, split: SplitPlan | None) -> None:
             embeddings = EagerModel(sparse, sparse_tags(tags))(example)
         if split.sparse != Artifact.EAGER:
             program = export_model(sparse, sparse_tags(tags), example)
-            _save_graph(program, staging, split.sparse, "sparse")
+            _save_graph(program, staging, split.sparse, "sparse", served_slot_maps(sparse))
             _name_table_constants(staging, sparse)
         dense_example = {**example, EMBEDDINGS_INPUT: embeddings}
         program = export_model(dense, dense_tags(tags), dense_example, spec.min_requests)
@@ -98,10 +100,11 @@ def _keep_only_tables(weights: Path, spec: ModelSpec) -> None:
 
 
 def _save_graph(
-    program: torch.export.ExportedProgram, staging: Path, artifact: Artifact, part: str
+    program: torch.export.ExportedProgram, staging: Path, artifact: Artifact, part: str,
+    slot_maps: dict[str, SlotMap] | None = None,
 ) -> None:
     path = staging / artifact.file_name(part)
     if artifact == Artifact.AOTI:
-        compile_aoti(program, path)
+        compile_aoti(program, path, slot_maps)
     else:
         torch.export.save(program, str(path))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from handlers.runtime.archive_files import aoti_weights_file
 from handlers.runtime.batching import Batch, plain_arguments
 from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds, is_slot_map
 from handlers.runtime.quiet import quieter
+from handlers.runtime.slot_maps import SlotMap, part_names
 from handlers.runtime.torch_internals import kept_as_constants
 
 # torch's own pytree code, when a program is saved or compiled, trips its own deprecation warning.
@@ -96,11 +97,15 @@ def table_constants(model: nn.Module) -> tuple[str, ...]:
     return tbe.table_constant_names(model, prefix="model.")
 
 
-def compile_aoti(program: torch.export.ExportedProgram, path: Path) -> Path:
+def compile_aoti(
+    program: torch.export.ExportedProgram, path: Path, slot_maps: Mapping[str, SlotMap] | None = None
+) -> Path:
     """AOTInductor: the exported program compiled to a native package (C++ compiler needed), its
     weights beside it (``aoti_weights_file``), by name, to be memory-mapped at load rather than
     copied out of the package's shared library. Every parameter stays a constant, so that a dense
-    swap reaches all of them."""
+    swap reaches all of them. ``slot_maps``: the raw-id tables' (views of the program's remap
+    constants), which the file holds under their own names too (``slot_maps.slot_maps_in``)
+    for the delta writers, stored once."""
     parameters = _parameter_constants(program)
     with quieter("torch.fx._symbolic_trace", warning_messages=_PYTREE_DEPRECATION), kept_as_constants(parameters):
         package = Path(
@@ -125,6 +130,11 @@ def compile_aoti(program: torch.export.ExportedProgram, path: Path) -> Path:
     inlined = sorted(n for n in parameters - set(weights) if ".parametrizations." not in n)
     if inlined:
         raise RuntimeError(f"{package}: parameters compiled in as literals, out of reach of a dense swap: {inlined}")
+    stored = {tensor.untyped_storage().data_ptr() for tensor in weights.values() if tensor is not None}
+    for table, parts in (slot_maps or {}).items():
+        if any(part.untyped_storage().data_ptr() not in stored for part in parts):
+            raise RuntimeError(f"{package}: table {table}'s slot map is not a view of the graph's constants")
+        weights.update({f"slot_maps.{table}.{name}": part for name, part in zip(part_names(parts), parts)})
     torch.save(weights, aoti_weights_file(package))
     return package
 

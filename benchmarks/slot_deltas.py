@@ -72,8 +72,8 @@ def swap_figures(archive: Path, weights_file: Path, spec: TableSpec, evictions: 
             writer.write(table, records, staged)
             done = time.perf_counter()
     remap = served_remap(spec)
-    remap.load(maps[table])  # type: ignore[operator]  this process's own mapping of the file
-    slots = remap(torch.from_numpy(records["owner"].copy()))
+    remap.load({table: maps[table]})  # this process's own mapping of the file
+    slots = remap.first_feature(torch.from_numpy(records["owner"].copy()))
     if not np.array_equal(slots.numpy(), records["id"]):
         raise AssertionError(f"{table}: the new ids do not map to their slots after the swap")
     return {"slots": served.rows, "evictions": evictions, "stage_s": staged_at - started,

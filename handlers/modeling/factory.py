@@ -48,6 +48,7 @@ from handlers.modeling.weights import (
     save_weights_file,
 )
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout, fingerprint
+from handlers.runtime.slot_maps import SlotMap
 
 from fbgemm_gpu.split_table_batched_embeddings_ops_inference import rounded_row_size_in_bytes  # isort: skip
 from torchrec.inference.modules import quantize_inference_model, set_pruning_data  # isort: skip
@@ -116,7 +117,7 @@ class DLRMFactory:
             name: (rows.clone(), None if scale_bias is None else scale_bias.clone())
             for name, (rows, scale_bias) in _table_views(quantized).items()
         }
-        return InferenceWeights(tables, _dense_state(float_model), slot_maps=raw_ids.slot_maps(float_model))
+        return InferenceWeights(tables, _dense_state(float_model), slot_maps=self._fused(raw_ids.slot_maps(float_model)))
 
     def random_weights(self, seed: int) -> InferenceWeights:
         """Seeded random weights created straight in the served layout: no float table ever exists.
@@ -140,7 +141,7 @@ class DLRMFactory:
                 for part in tables[table.name]:
                     if part is not None:
                         part[-1].zero_()
-        return InferenceWeights(tables, self.random_dense(seed), buffers, maps)
+        return InferenceWeights(tables, self.random_dense(seed), buffers, self._fused(maps))
 
     def random_dense(self, seed: int) -> dict[str, torch.Tensor]:
         """The dense layers' own init from ``seed``, as float weights; no table is allocated."""
@@ -219,6 +220,10 @@ class DLRMFactory:
         return sparse.eval()
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _fused(self, maps: dict[str, SlotMap]) -> dict[str, SlotMap]:
+        """Slot maps laid out as the served model's remaps search them (``raw_ids.fused_in``)."""
+        return raw_ids.fused_in(self._quant_model(torch.device("cpu")), maps) if maps else maps
 
     def _with_dense(self, model: nn.Module, dense: dict[str, torch.Tensor]) -> nn.Module:
         missing, unexpected = model.load_state_dict(dense, strict=False)

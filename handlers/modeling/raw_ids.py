@@ -9,7 +9,7 @@ searches, which workers map from the weights file and use in place.
 
     float:   ManagedBags(tables)                 # KJT of raw ids -> KeyedTensor (remaps, MCH trains)
     served:  RawIdBags(quantized_ebc, tables)    # the same, on the quantized tables
-             served.load_slot_maps(slot_maps(float_model))
+             load_slot_maps(served, fused_in(served, slot_maps(float_model)))
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from handlers.modeling.remap_spec import MchEviction, RemapKind, Unseen
 from handlers.modeling.spec import TableSpec
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 from handlers.runtime.quiet import quieter
-from handlers.runtime.slot_maps import SlotMap, hash_map, is_hashed, owners_of, slot_map
+from handlers.modeling.remaps import RawIdRemaps
+from handlers.runtime.slot_maps import SlotMap, fused, hash_map, owners_of, slot_map
 
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor  # isort: skip
 from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule  # isort: skip
@@ -118,103 +119,33 @@ class ManagedBags(nn.Module):
         return pooled
 
 
-class SlotRemap(nn.Module):
-    """One table's raw id -> slot map, as TorchRec's MCH computes it in eval: a raw id that owns
-    a slot gets it, any other the table's last slot (its default row). ``sorted_ids`` /
-    ``slots``: the owners, sorted, and the slot of each. ``unseen`` / ``lookups``: the ids it
-    found no owner for, and all it mapped, since load (counted in the graph, read by
-    ``handlers.runtime.unseen_ids``)."""
-
-    def __init__(self, rows: int) -> None:
-        super().__init__()
-        self.register_buffer("sorted_ids", torch.full((rows,), MCH_FREE_SLOT, dtype=torch.int64))
-        self.register_buffer("slots", torch.arange(rows, dtype=torch.int64))
-        for counter in ("unseen", "lookups"):
-            self.register_buffer(counter, torch.zeros((), dtype=torch.int64), persistent=False)
-        self.default_slot = rows - 1
-
-    def load(self, slot_map: SlotMap) -> None:
-        """Serves ``slot_map`` (used in place: a mapped file's pages stay shared)."""
-        if is_hashed(slot_map):
-            raise ValueError("an mch table's slot map is sorted_ids and slots, got a zch one (identities)")
-        for name, tensor in zip(("sorted_ids", "slots"), slot_map):
-            if tensor.shape != self.sorted_ids.shape or tensor.dtype != torch.int64:
-                raise ValueError(
-                    f"a slot map's {name} must be int64 [{self.sorted_ids.shape[0]}], got {tensor.dtype} {list(tensor.shape)}"
-                )
-        self.sorted_ids, self.slots = slot_map
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Raw ids int64 [V] -> slots int64 [V]."""
-        found = torch.searchsorted(self.sorted_ids[:-1], ids)
-        owned = self.sorted_ids[found] == ids
-        self.unseen.add_(owned.numel() - owned.sum())
-        self.lookups.add_(owned.numel())
-        return torch.where(owned, self.slots[found], self.default_slot)
-
-
-class HashRemap(nn.Module):
-    """One ZCH table's raw id -> slot map, as TorchRec's zero-collision hashing computes it in
-    eval: an id's slot is the first of its probe sequence (from its hash, within its bucket) that
-    holds it, any other id gets the slot its probing started at. ``identities``: the raw id in each
-    slot (``ZCH_EMPTY_SLOT``: none); ``unseen`` / ``lookups`` as ``SlotRemap``'s."""
-
-    def __init__(self, rows: int, max_probe: int, buckets: int) -> None:
-        super().__init__()
-        self.register_buffer("identities", torch.full((rows,), ZCH_EMPTY_SLOT, dtype=torch.int64))
-        for counter in ("unseen", "lookups"):
-            self.register_buffer(counter, torch.zeros((), dtype=torch.int64), persistent=False)
-        self.max_probe, self.buckets = max_probe, buckets
-
-    def load(self, slot_map: SlotMap) -> None:
-        """Serves ``slot_map``, ``(identities,)`` (used in place)."""
-        if not is_hashed(slot_map):
-            raise ValueError("a zch table's slot map is its identities alone, got an mch one (sorted_ids, slots)")
-        (identities,) = slot_map
-        if identities.shape != self.identities.shape or identities.dtype != torch.int64:
-            raise ValueError(
-                f"a slot map's identities must be int64 [{self.identities.shape[0]}], "
-                f"got {identities.dtype} {list(identities.shape)}"
-            )
-        self.identities = identities
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Raw ids int64 [V] -> slots int64 [V]."""
-        slots = zch_lookup(ids, self.identities, self.max_probe, self.buckets)
-        owned = self.identities[slots] == ids
-        self.unseen.add_(owned.numel() - owned.sum())
-        self.lookups.add_(owned.numel())
-        return slots
-
-
 class RawIdBags(nn.Module):
-    """The served collection of raw-id tables: each feature's raw ids through its table's
-    ``SlotRemap`` (MCH) or ``HashRemap`` (ZCH), then the quantized bags. ``raw_id_remaps`` are filled by
-    ``load_slot_maps``."""
+    """The served collection of raw-id tables: every feature's raw ids through the tables' remap
+    (``remaps.RawIdRemaps``, MCH and ZCH), then the quantized bags. ``counted``: the model's raw-id
+    tables, whose unseen ids the remap counts. The remap's slot maps are filled by ``load_slot_maps``."""
 
-    def __init__(self, bags: nn.Module, tables: Sequence[TableSpec]) -> None:
+    def __init__(self, bags: nn.Module, tables: Sequence[TableSpec], counted: Sequence[str] | None = None) -> None:
         super().__init__()
         self.bags = bags
-        self.raw_id_remaps = nn.ModuleDict({t.name: served_remap(t) for t in tables})  # inputs.SLOT_MAPS
-        self._table_of = {f: t.name for t in tables for f in t.features}
+        self.raw_id_remaps = RawIdRemaps(tables, counted)  # inputs.SLOT_MAPS
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self.bags.embedding_bag_configs()  # type: ignore[operator]
 
     def load_slot_maps(self, slot_maps: Mapping[str, SlotMap]) -> None:
-        missing = sorted(set(self.raw_id_remaps) - set(slot_maps))
+        missing = sorted(set(self.raw_id_remaps.ranges) - set(slot_maps))
         if missing:
             raise ValueError(f"raw-id tables {missing} come without their slot maps")
-        for name, remap in self.raw_id_remaps.items():
-            remap.load(slot_maps[name])  # type: ignore[operator]
+        self.raw_id_remaps.load(slot_maps)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        keys = features.keys()
-        per_feature = torch.split(features.values(), features.length_per_key())
-        slots = [self.raw_id_remaps[self._table_of[key]](ids) for key, ids in zip(keys, per_feature)]
+        order = self.raw_id_remaps.features
+        if features.keys() != order:
+            features = features.permute([features.keys().index(f) for f in order])
+        per_feature = features.lengths().view(len(order), -1).sum(1)
         remapped = KeyedJaggedTensor(
-            keys=keys,
-            values=torch.cat(slots),
+            keys=order,
+            values=self.raw_id_remaps(features.values(), per_feature),
             lengths=features.lengths(),
             weights=features.weights_or_none(),
             stride=features.stride(),
@@ -241,10 +172,26 @@ def slot_maps(model: nn.Module) -> dict[str, SlotMap]:
 
 
 def load_slot_maps(model: nn.Module, maps: Mapping[str, SlotMap]) -> None:
-    """Fills every ``RawIdBags`` of a served model with its tables' slot maps."""
+    """Fills every ``RawIdBags`` of a served model with its tables' slot maps (``fused_in``)."""
     for module in model.modules():
         if isinstance(module, RawIdBags):
             module.load_slot_maps(maps)
+
+
+def served_slot_maps(model: nn.Module) -> dict[str, SlotMap]:
+    """Every raw-id table's slot map in a served model: views of what it serves."""
+    return {
+        name: served
+        for module in model.modules() if isinstance(module, RawIdBags)
+        for name, served in module.raw_id_remaps.table_maps().items()
+    }
+
+
+def fused_in(model: nn.Module, maps: Mapping[str, SlotMap]) -> dict[str, SlotMap]:
+    """``maps`` laid out as ``model``'s raw-id collections serve them (``slot_maps.fused``): each
+    collection's tables of a kind end to end."""
+    collections = [module for module in model.modules() if isinstance(module, RawIdBags)]
+    return fused(maps, [name for module in collections for name in module.raw_id_remaps.ranges])
 
 
 def random_slot_map(table: TableSpec, generator: torch.Generator) -> SlotMap:
@@ -339,10 +286,7 @@ def _remap_module(table: TableSpec, device: torch.device) -> nn.Module:
     )
 
 
-def served_remap(table: TableSpec) -> nn.Module:
-    """The served remap of a raw-id table (``load`` gives it its slot map)."""
-    remap = table.remap
-    assert remap is not None, "RawIdBags holds raw-id tables only"
-    if remap.kind == RemapKind.ZCH:
-        return HashRemap(table.rows, remap.max_probe, remap.buckets)
-    return SlotRemap(table.rows)
+def served_remap(table: TableSpec) -> RawIdRemaps:
+    """One raw-id table's served remap; ``load({table.name: slot_map})`` gives it its slot map,
+    and ``first_feature(ids)`` maps ids."""
+    return RawIdRemaps([table])

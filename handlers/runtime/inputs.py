@@ -84,18 +84,20 @@ MCH_FREE_SLOT = (1 << 63) - 1
 # The raw id TorchRec's ZCH module (FBGEMM's zero_collision_hash) marks an empty slot with: a ZCH
 # table's feature refuses it (its lookup would find an empty slot as the id's).
 ZCH_EMPTY_SLOT = -1
-# The attribute under which a served raw-id collection keeps its tables' slot maps
-# (``handlers.modeling.raw_ids.RawIdBags``): ``raw_id_remaps.<table>.<part>`` (``slot_maps.SlotMap``).
+# The attribute under which a served raw-id collection keeps its remap
+# (``handlers.modeling.remaps.RawIdRemaps``): its tables' slot maps end to end, and its counts.
 SLOT_MAPS = "raw_id_remaps"
 
 
-# A raw-id table's running counts of unseen and looked-up ids, which the served graph adds to.
-RAW_ID_COUNTER = re.compile(rf"(?:^|\.){SLOT_MAPS}\.(?P<table>[^.]+)\.(?P<counter>unseen|lookups)$")
+# A raw-id collection's running counts, which the served graph adds to: int64 [2, tables], row 0
+# the unseen ids and row 1 all ids looked up, a column per raw-id table of the model (sorted by name).
+RAW_ID_COUNTER = re.compile(rf"(?:^|\.){SLOT_MAPS}\.counts$")
 
 
 def is_slot_map(name: str) -> bool:
-    """Whether a model tensor's name is one of a raw-id table's slot maps (table state, like rows)."""
-    return f"{SLOT_MAPS}." in name
+    """Whether a model tensor's name is a raw-id remap's (table state, like rows), or a weights
+    file's entry of a table's slot map (``slot_maps.<table>.<part>``)."""
+    return f"{SLOT_MAPS}." in name or name.startswith("slot_maps.")
 
 
 @dataclasses.dataclass(frozen=True)

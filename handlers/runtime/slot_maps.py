@@ -11,19 +11,24 @@ is the owners as they are, row-aligned (its hash probing finds them), ``ZCH_EMPT
     owners_of((sorted_ids, slots))             # owners again; owners_of((identities,)) too
     with_owners(owners_of(m), torch.tensor([0]), torch.tensor([99]), hashed=False)   # slot 0: 99's
 
-Served weights files hold a map's tensors under ``slot_maps.<table>.<part>`` (``weights.pt``) or as
-a compiled graph's constants ``<module path>.raw_id_remaps.<table>.<part>``: parts ``sorted_ids``
-and ``slots`` (MCH), or ``identities`` (ZCH).
+Served weights files (``weights.pt``, a compiled package's weights) hold a map's tensors under
+``slot_maps.<table>.<part>``: parts ``sorted_ids`` and ``slots`` (MCH), or ``identities`` (ZCH).
+The served remap searches all tables of a kind at once (``handlers.modeling.remaps``), so their
+maps lie end to end, each table's a view of one tensor per part (``fused``), which a file stores
+once and a worker maps once; ``spanned`` gives that tensor back:
+
+    maps = fused({"a": (ids_a, slots_a), "b": (ids_b, slots_b)}, ["a", "b"])
+    sorted_ids, slots = spanned([maps["a"], maps["b"]])    # [rows_a + rows_b] each, no copy
 """
 
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
-from handlers.runtime.inputs import MCH_FREE_SLOT, SLOT_MAPS, ZCH_EMPTY_SLOT
+from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 
 # MCH: (sorted_ids int64 [rows], slots int64 [rows]), slot s's owner is sorted_ids[slots == s];
 # ZCH: (identities int64 [rows],), slot s's owner is identities[s]
@@ -31,7 +36,7 @@ SlotMap = tuple[torch.Tensor, ...]
 SORTED_PARTS = ("sorted_ids", "slots")
 HASHED_PARTS = ("identities",)
 
-_MAP_KEY = re.compile(rf"(?:^slot_maps|\.{SLOT_MAPS})\.(?P<table>[^.]+)\.(?P<part>sorted_ids|slots|identities)$")
+_MAP_KEY = re.compile(r"^slot_maps\.(?P<table>[^.]+)\.(?P<part>sorted_ids|slots|identities)$")
 
 
 def part_names(slot_map: SlotMap) -> tuple[str, ...]:
@@ -42,6 +47,38 @@ def part_names(slot_map: SlotMap) -> tuple[str, ...]:
 def is_hashed(slot_map: SlotMap) -> bool:
     """Whether a slot map is a ZCH table's (row-aligned identities) rather than an MCH one's."""
     return len(slot_map) == len(HASHED_PARTS)
+
+
+def fused(maps: Mapping[str, SlotMap], order: Sequence[str]) -> dict[str, SlotMap]:
+    """``maps`` with the tables named in ``order`` copied end to end, in that order, one tensor
+    per kind and part: each table's map a view of them. Tables not named are left as they are."""
+    out = dict(maps)
+    for hashed in (False, True):
+        names = [t for t in order if is_hashed(maps[t]) == hashed]
+        if not names:
+            continue
+        parts = [torch.cat([maps[t][i] for t in names]) for i in range(len(maps[names[0]]))]
+        start = 0
+        for t in names:
+            rows = len(maps[t][0])
+            out[t] = tuple(part[start : start + rows] for part in parts)
+            start += rows
+    return out
+
+
+def spanned(maps: Sequence[SlotMap]) -> SlotMap | None:
+    """The tensors (one per part) that ``maps``, one kind's, are consecutive views of, in order:
+    a view over them all, no copy; None when they are not laid out so (``fused``)."""
+    whole = []
+    for i, first in enumerate(maps[0]):
+        end = first.storage_offset()
+        for part in (m[i] for m in maps):
+            same = part.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            if not (same and part.dtype == first.dtype and part.storage_offset() == end and part.is_contiguous()):
+                return None
+            end += part.numel()
+        whole.append(first.as_strided((end - first.storage_offset(),), (1,), first.storage_offset()))
+    return tuple(whole)
 
 
 def slot_map(owners: torch.Tensor) -> SlotMap:

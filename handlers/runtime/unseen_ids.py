@@ -3,10 +3,10 @@
 
 A raw-id table (``Feature.raw_id_table``) gives each raw id that owns a slot its row; any other id
 looks up the table's default row (MCH: its last) or the slot its probing starts at (ZCH). The
-model's own remap counts both as it maps the ids,
-inside the graph (``raw_id_remaps.<table>.unseen`` and ``.lookups``: an eager model's buffers, a
-graph's constants, a split model's lookups'); the counter reads them after each batch, one
-stack of scalars, and answers what they grew by.
+model's own remap counts both as it maps the ids, inside the graph: each raw-id collection's
+``raw_id_remaps.counts`` (``inputs.RAW_ID_COUNTER``: an eager model's buffer, a graph's constant,
+a split model's lookups'), a column per raw-id table of the model, sorted by name. The counter
+reads them after each batch and answers what they grew by.
 """
 
 from __future__ import annotations
@@ -22,45 +22,46 @@ from handlers.runtime.inputs import RAW_ID_COUNTER, InputSchema
 
 
 class UnseenIdCounter:
-    def __init__(self, unseen: dict[str, torch.Tensor], lookups: dict[str, torch.Tensor]) -> None:
-        """``unseen`` / ``lookups``: per raw-id table, the model's running counts (0-dim int64);
-        counted from their values now."""
-        self.tables = sorted(unseen)
-        self._counters = [unseen[t] for t in self.tables] + [lookups[t] for t in self.tables]
-        self._last = torch.stack(self._counters).tolist()  # a graph's hold what its capture ran
+    def __init__(self, tables: list[str], counts: list[torch.Tensor]) -> None:
+        """``counts``: the model's running counts, int64 [2, len(tables)] each (unseen, looked
+        up), a column per table of ``tables``; counted from their values now."""
+        self.tables = tables
+        self._counts = counts
+        self._last = self._now()  # a graph's hold what its capture ran
 
     @classmethod
     def of_runner(cls, schema: InputSchema, runner: Runner) -> "UnseenIdCounter | None":
         """The counter of a loaded model's raw-id tables (None when it has none)."""
-        tables = {f.raw_id_table for f in schema.features + schema.context_sparse} - {None}
+        features = schema.features + schema.context_sparse
+        tables = sorted({f.raw_id_table for f in features if f.raw_id_table is not None})
         if not tables:
             return None
-        found: dict[str, dict[str, torch.Tensor]] = {"unseen": {}, "lookups": {}}
-        for name, tensor in _named_tensors(runner):
-            match = RAW_ID_COUNTER.search(name)
-            if match:
-                found[match["counter"]][match["table"]] = tensor
-        missing = sorted(tables - set(found["unseen"]) - set(found["lookups"]))
-        if missing or set(found["unseen"]) != set(found["lookups"]):
-            raise ValueError(f"raw-id tables {missing or sorted(tables)}: the loaded model does not count their ids")
-        return cls(found["unseen"], found["lookups"])
+        counts = [tensor for name, tensor in _named_tensors(runner) if RAW_ID_COUNTER.search(name)]
+        if not counts or any(c.shape != (2, len(tables)) for c in counts):
+            raise ValueError(f"raw-id tables {tables}: the loaded model does not count their ids in "
+                             f"raw_id_remaps.counts [2, {len(tables)}] (found {[list(c.shape) for c in counts]}): "
+                             "an archive built by an older torchrec-serve; rebuild it")
+        return cls(tables, counts)
+
+    def _now(self) -> list[list[int]]:
+        total = self._counts[0] if len(self._counts) == 1 else torch.stack(self._counts).sum(0)
+        return total.tolist()
 
     @contextlib.contextmanager
     def uncounted(self) -> Iterator[None]:
         """What the model counts within this block is left out of ``since_last``."""
-        before = torch.stack(self._counters).tolist()
+        before = self._now()
         yield
-        after = torch.stack(self._counters).tolist()
-        self._last = [last + a - b for last, a, b in zip(self._last, after, before)]
+        after = self._now()
+        self._last = [[last + a - b for last, a, b in zip(*rows)] for rows in zip(self._last, after, before)]
 
     def since_last(self) -> tuple[dict[str, int], dict[str, int]]:
         """Per raw-id table, the ids the model found no owner for since the last call, and all
         the ids it mapped."""
-        now = torch.stack(self._counters).tolist()
-        grown = [a - b for a, b in zip(now, self._last)]
+        now = self._now()
+        unseen, lookups = ([a - b for a, b in zip(*rows)] for rows in zip(now, self._last))
         self._last = now
-        n = len(self.tables)
-        return dict(zip(self.tables, grown[:n])), dict(zip(self.tables, grown[n:]))
+        return dict(zip(self.tables, unseen)), dict(zip(self.tables, lookups))
 
 
 def _named_tensors(runner: Runner) -> Iterator[tuple[str, torch.Tensor]]:

@@ -52,6 +52,9 @@ class _IdChecks:
         self.reserved = np.asarray(
             [MCH_FREE_SLOT if f.reserved_raw_id is None else f.reserved_raw_id for f in features], np.int64
         )
+        # every feature raw (a raw-id model's, often one kind): the reserved ids are the only check
+        self.all_raw = len(features) > 0 and bool(self.raw.all())
+        self.one_reserved = int(self.reserved[0]) if len(set(self.reserved.tolist())) == 1 else None
         self.rows = np.asarray([f.rows for f in features], np.int64)  # a raw-id feature's: not a bound
         self.caps = np.asarray([f.max_length or bag_cap for f in features], dtype=np.int64)
         self.smallest_cap = int(self.caps.min()) if len(features) else bag_cap
@@ -69,17 +72,13 @@ class _IdChecks:
                 "too_large",
             )
         per_feature = lengths.sum(axis=1)
+        if self.all_raw:
+            self._refuse_reserved(ids, lengths, per_feature, field_of, raw=None)
+            return ids, 0
         negative, beyond = ids < 0, ids >= np.repeat(self.rows, per_feature)
         if self.raw.any():
             raw = np.repeat(self.raw, per_feature)
-            reserved = raw & (ids == np.repeat(self.reserved, per_feature))
-            if reserved.any():
-                k = int(np.argmax(reserved))
-                raise BadRequest(
-                    field_of(*bag_position(lengths, k)),
-                    f"raw id {ids[k]} is reserved (the table's managed collisions mark a free slot with it)",
-                    "id_out_of_range",
-                )
+            self._refuse_reserved(ids, lengths, per_feature, field_of, raw)
             negative &= ~raw
             beyond &= ~raw
         if negative.any():
@@ -98,6 +97,23 @@ class _IdChecks:
                 "id_out_of_range",
             )
         return ids, 0
+
+    def _refuse_reserved(
+        self, ids: np.ndarray, lengths: np.ndarray, per_feature: np.ndarray, field_of: FieldOf, raw: np.ndarray | None
+    ) -> None:
+        """Raises ``BadRequest`` at the first raw id its table reserves (``raw``: which ids are
+        raw-id features', None: all)."""
+        marker = self.one_reserved if self.one_reserved is not None else np.repeat(self.reserved, per_feature)
+        reserved = ids == marker
+        if raw is not None:
+            reserved &= raw
+        if reserved.any():
+            k = int(np.argmax(reserved))
+            raise BadRequest(
+                field_of(*bag_position(lengths, k)),
+                f"raw id {ids[k]} is reserved (the table's managed collisions mark a free slot with it)",
+                "id_out_of_range",
+            )
 
 
 def bag_position(lengths: np.ndarray, k: int) -> tuple[int, int, int]:

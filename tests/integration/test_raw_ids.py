@@ -26,7 +26,7 @@ from benchmarks.traffic import TrafficModel
 from handlers.modeling import tbe
 from handlers.modeling.errors import SpecError
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.raw_ids import HashRemap, RawIdBags, SlotRemap, first_probe_slots, served_remap, slot_owners
+from handlers.modeling.raw_ids import RawIdBags, first_probe_slots, fused_in, served_remap, slot_maps, slot_owners
 from handlers.modeling.registry import input_schema
 from handlers.runtime.archive import Archive
 from handlers.runtime.archive_files import LOG_POINTER
@@ -57,26 +57,34 @@ pytestmark = pytest.mark.integration
 
 def test_the_remap_is_torchrecs_eval_remap_on_a_million_ids(trained):
     """The served model's slot of every id equals TorchRec's MCH or ZCH module's in eval, for ids
-    it owns slots for and ids it has never seen (half each), table by table."""
+    it owns slots for and ids it has never seen (half each), every table's in one call."""
     spec, _, model, _ = trained
     factory = DLRMFactory(spec)
     served = factory.inference_model(factory.quantize(model))
     remaps = served.sparse_arch.embedding_bag_collection
     assert isinstance(remaps, RawIdBags)
     _, modules = tbe.managed_collision_parts(model.sparse_arch.embedding_bag_collection.mc_embedding_bag_collection)
-    assert isinstance(remaps.raw_id_remaps["t_item"], HashRemap) and isinstance(remaps.raw_id_remaps["t_user"], SlotRemap)
+    remap = remaps.raw_id_remaps
+    assert remap.hashed_tables == ["t_item"] and set(remap.sorted_tables) == set(ROWS) - {"t_item"}
     generator = torch.Generator().manual_seed(1)
-    unseen_shares = {}
+    unseen_shares, ids, expected = {}, {}, {}
     for name, owned in owned_ids(model).items():
         assert len(owned) > ROWS[name] // 2, f"{name}: training gave few slots an owner"
         seen = owned[torch.randint(0, len(owned), (500_000,), generator=generator)]
         anywhere = torch.randint(-(2**63), MCH_FREE_SLOT, (500_000,), generator=generator)
-        ids = torch.cat([seen, anywhere, torch.tensor(EXTREMES)])
-        lengths = torch.ones(len(ids), dtype=torch.int64)
-        expected = modules[name].remap({name: JaggedTensor(values=ids, lengths=lengths)})[name].values()
-        slots = remaps.raw_id_remaps[name](ids)
-        assert torch.equal(slots, expected), name
-        unseen_shares[name] = float((slot_owners(model)[name][slots[500_000:]] != ids[500_000:]).float().mean())
+        ids[name] = torch.cat([seen, anywhere, torch.tensor(EXTREMES)])
+        lengths = torch.ones(len(ids[name]), dtype=torch.int64)
+        expected[name] = modules[name].remap({name: JaggedTensor(values=ids[name], lengths=lengths)})[name].values()
+    first_feature = {t.name: t.features[0] for t in spec.tables}  # a table's ids all go to its first
+    table_of = {f: t.name for t in spec.tables for f in t.features}
+    per_feature = [ids[table_of[f]][: len(ids[table_of[f]]) if f == first_feature[table_of[f]] else 0]
+                   for f in remap.features]
+    sizes = [len(i) for i in per_feature]
+    mapped = remap(torch.cat(per_feature), torch.tensor(sizes)).split(sizes)
+    for name in ids:
+        slots = mapped[remap.features.index(first_feature[name])]
+        assert torch.equal(slots, expected[name]), name
+        unseen_shares[name] = float((slot_owners(model)[name][slots[500_000:]] != ids[name][500_000:]).float().mean())
         unseen_slots = slots[500_000:].unique().numel()  # MCH: the default row; ZCH: where probing starts
         assert unseen_slots == 1 if name != "t_item" else unseen_slots == ROWS[name], (name, unseen_slots)
     assert all(share > 0.99 for share in unseen_shares.values()), unseen_shares  # random ids are unseen
@@ -254,13 +262,16 @@ def test_what_raw_id_tables_do_not_do_yet_is_refused_naming_why(trained, tiny_sp
     with pytest.raises(SpecError, match=r"take raw ids \(ids: raw\): the planner"):
         plan_tables(spec_path, tmp_path / "unread.jsonl", Budget(0.001, 0.002), tmp_path / "plan")
     served = DLRMFactory(spec).inference_model(DLRMFactory(spec).quantize(model)).sparse_arch.embedding_bag_collection
-    ids, slots = slot_owners(model)["t_hour"].sort()
-    with pytest.raises(ValueError, match=r"a slot map's sorted_ids must be int64 \[6\], got torch.int64 \[5\]"):
-        served.raw_id_remaps["t_hour"].load((ids[:5], slots[:5]))
-    with pytest.raises(ValueError, match=r"a slot map's identities must be int64 \[200\], got torch.int64 \[5\]"):
-        served.raw_id_remaps["t_item"].load((ids[:5],))
+    maps = slot_maps(model)
+    with pytest.raises(ValueError, match=r"the slot maps of tables \[.*'t_hour'.*\] do not lie end to end"):
+        served.load_slot_maps(maps)  # each table's own tensors: the remap would not see a delta's writes
+    short = fused_in(served, {**maps, "t_hour": tuple(part[:5] for part in maps["t_hour"])})
+    with pytest.raises(ValueError, match=r"slot maps' sorted_ids must be int64 \[\d+\] for tables .* got torch.int64"):
+        served.load_slot_maps(short)
+    with pytest.raises(ValueError, match=r"tables \['t_item'\]: their slot maps must be identities, got 2 part"):
+        served.load_slot_maps(fused_in(served, {**maps, "t_item": maps["t_hour"]}))
     with pytest.raises(ValueError, match=r"raw-id tables \['t_item', 't_user'\] come without their slot maps"):
-        served.load_slot_maps({"t_hour": (ids, slots), "t_category": (ids, slots)})
+        served.load_slot_maps({"t_hour": maps["t_hour"], "t_category": maps["t_category"]})
 
 
 def test_generated_requests_draw_owned_ids_mostly_and_unseen_ones_across_int64(trained):
@@ -311,12 +322,12 @@ def test_the_benchmarks_raw_traffic_looks_up_the_rows_of_its_row_traffic(trained
             for feature, ids in raw_item["sparse"].items():
                 table = table_of[feature]
                 remap = served_remap(next(t for t in spec.tables if t.name == table))
-                remap.load(maps[table])
+                remap.load({table: maps[table]})
                 ids, owners = torch.tensor(ids, dtype=torch.int64), owners_of(maps[table])
                 owned = torch.isin(ids, owners[owners != MCH_FREE_SLOT])
-                slots = remap(ids)
+                slots = remap.first_feature(ids)
                 assert torch.equal(slots[owned], torch.tensor(row_item["sparse"][feature])[owned])
-                if isinstance(remap, HashRemap):  # an unseen id: where its probing starts
+                if REMAPS[table]["kind"] == "zch":  # an unseen id: where its probing starts
                     assert torch.equal(slots[~owned], first_probe_slots(ids[~owned], ROWS[table], REMAPS[table]["buckets"]))
                 else:  # the default row
                     assert (slots[~owned] == ROWS[table] - 1).all()

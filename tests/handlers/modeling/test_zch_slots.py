@@ -1,5 +1,5 @@
 """Zero-collision hashing (``remap: {kind: zch}``) without a GPU: slots assigned as its training's
-probing would (``zch_insert``), found by the served remap (``HashRemap``) as TorchRec's module
+probing would (``zch_insert``), found by the served remap (``RawIdRemaps``) as TorchRec's module
 finds them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from handlers.modeling import tbe
 from handlers.modeling.errors import CheckpointError
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.raw_ids import HashRemap, SlotRemap, first_probe_slots, random_slot_map, slot_owners, zch_insert
+from handlers.modeling.raw_ids import first_probe_slots, random_slot_map, served_remap, slot_owners, zch_insert
 from handlers.modeling.spec import TableSpec
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 
@@ -27,11 +27,10 @@ def test_inserted_ids_are_found_where_probing_put_them_and_the_rest_had_no_free_
     held = zch_insert(identities, ids, MAX_PROBE, BUCKETS)
     inside = torch.isin(ids, identities)
     assert held == int(inside.sum()) == int((identities != ZCH_EMPTY_SLOT).sum()) < len(ids)
-    remap = HashRemap(ROWS, MAX_PROBE, BUCKETS)
-    remap.load((identities,))
-    slots = remap(ids)
+    remap = _served(identities, MAX_PROBE, BUCKETS)
+    slots = remap.first_feature(ids)
     assert torch.equal(identities[slots[inside]], ids[inside])  # every id in the table is found
-    assert int(remap.unseen) == int((~inside).sum())
+    assert remap.counts[:, 0].tolist() == [int((~inside).sum()), len(ids)]
     size = ROWS // BUCKETS
     starts, first = torch.remainder(ids, BUCKETS) * size, first_probe_slots(ids, ROWS, BUCKETS)
     assert torch.equal(starts, (first // size) * size)  # each id probes within its bucket (id mod buckets)
@@ -57,9 +56,8 @@ def test_a_zch_table_built_without_a_checkpoint_fills_as_training_would():
     (identities,) = random_slot_map(table, torch.Generator().manual_seed(2))
     owned = identities[identities != ZCH_EMPTY_SLOT]
     assert 0.9 < len(owned) / 4096 < 1 and len(owned.unique()) == len(owned)
-    remap = HashRemap(4096, 128, 2)
-    remap.load((identities,))
-    assert torch.equal(identities[remap(owned)], owned) and int(remap.unseen) == 0
+    remap = _served(identities, 128, 2)
+    assert torch.equal(identities[remap.first_feature(owned)], owned) and int(remap.counts[0, 0]) == 0
 
 
 def test_a_zch_checkpoint_whose_slot_holds_the_free_marker_is_refused_naming_the_table(tiny_spec):
@@ -105,7 +103,18 @@ def test_a_zch_checkpoint_loads_without_its_trainings_metadata_and_wrong_setting
 
 def test_a_slot_map_of_the_other_kind_is_refused_by_name():
     ids = _ids(8, seed=4)
-    with pytest.raises(ValueError, match="a zch table's slot map is its identities alone, got an mch one"):
-        HashRemap(8, MAX_PROBE, 1).load((ids, torch.arange(8)))
-    with pytest.raises(ValueError, match="an mch table's slot map is sorted_ids and slots, got a zch one"):
-        SlotRemap(8).load((ids,))
+    zch = TableSpec(name="z", rows=8, dim=8, features=["f"], ids="raw", remap={"kind": "zch", "max_probe": MAX_PROBE})
+    with pytest.raises(ValueError, match=r"tables \['z'\]: their slot maps must be identities, got 2 part"):
+        served_remap(zch).load({"z": (ids, torch.arange(8))})
+    mch = TableSpec(name="m", rows=8, dim=8, features=["f"], ids="raw", remap={"kind": "mch"})
+    with pytest.raises(ValueError, match=r"tables \['m'\]: their slot maps must be sorted_ids and slots, got 1 part"):
+        served_remap(mch).load({"m": (ids,)})
+
+
+def _served(identities: torch.Tensor, max_probe: int, buckets: int):
+    """The served remap of a ZCH table holding ``identities``."""
+    table = TableSpec(name="t", rows=len(identities), dim=8, features=["f"], ids="raw",
+                      remap={"kind": "zch", "max_probe": max_probe, "buckets": buckets})
+    remap = served_remap(table)
+    remap.load({"t": (identities,)})
+    return remap

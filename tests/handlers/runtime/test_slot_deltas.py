@@ -13,7 +13,8 @@ import orjson
 import pytest
 import torch
 
-from handlers.modeling.raw_ids import SlotRemap
+from handlers.modeling.raw_ids import served_remap
+from handlers.modeling.spec import TableSpec
 from handlers.runtime.freshness.applier import Pace, RowLock, TableWriter, apply_delta, write_rows
 from handlers.runtime.freshness.delta_file import DeltaError, DeltaWriter, read_delta
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout, table_buffers
@@ -57,14 +58,15 @@ def test_a_slot_map_rebuilt_from_new_owners_is_the_map_of_those_owners():
             with_owners(OWNERS.clone(), torch.tensor([2]), OWNERS[1:2], hashed)
 
 
-def test_slot_maps_are_found_under_both_names_and_a_half_map_is_refused():
+def test_slot_maps_are_found_by_table_beside_a_graphs_constants_and_a_half_map_is_refused():
     ids, slots = slot_map(OWNERS)
-    assert set(slot_maps_in({"slot_maps.r.sorted_ids": ids, "slot_maps.r.slots": slots, "tbe.0": ids})) == {"r"}
-    compiled = {"model.sparse.raw_id_remaps.r.sorted_ids": ids, "model.sparse.raw_id_remaps.r.slots": slots,
-                "model.sparse.raw_id_remaps.r.unseen": torch.zeros((), dtype=torch.int64)}
-    assert torch.equal(slot_maps_in(compiled)["r"][1], slots)
     (identities,) = hash_map(OWNERS)
-    assert torch.equal(slot_maps_in({"m.raw_id_remaps.z.identities": identities, "tbe.0": ids})["z"][0], identities)
+    compiled = {"slot_maps.r.sorted_ids": ids, "slot_maps.r.slots": slots, "slot_maps.z.identities": identities,
+                "tbe.0": ids, "model.sparse.raw_id_remaps.sorted_ids": ids, "model.sparse.raw_id_remaps.slots": slots,
+                "model.sparse.raw_id_remaps.identities": identities,
+                "model.sparse.raw_id_remaps.counts": torch.zeros((2, 2), dtype=torch.int64)}
+    found = slot_maps_in(compiled)
+    assert set(found) == {"r", "z"} and torch.equal(found["r"][1], slots) and torch.equal(found["z"][0], identities)
     with pytest.raises(ValueError, match=r"tables \['r'\] hold neither sorted_ids and slots nor identities alone"):
         slot_maps_in({"slot_maps.r.slots": slots})
     with pytest.raises(ValueError, match=r"tables \['r'\] hold neither"):
@@ -103,6 +105,13 @@ def test_a_raw_id_section_that_does_not_fit_is_refused_naming_the_field(tmp_path
     assert refused.value.field == field and problem in refused.value.message
 
 
+def _served(slot_map):
+    """MCH table r's served remap on ``slot_map``: ids int64 [n] -> slots int64 [n]."""
+    remap = served_remap(TableSpec(name="r", rows=ROWS, dim=4, features=["f"], ids="raw", remap={"kind": "mch"}))
+    remap.load({"r": slot_map})
+    return remap.first_feature
+
+
 def _weights_file(tmp_path):
     """A weights file with a raw-id table and its slot map, mapped as a worker maps it: (path,
     the mapped tensors, a writer of the file)."""
@@ -120,8 +129,7 @@ def test_owners_and_rows_written_in_place_are_seen_through_another_mapping_and_u
     # id OWNERS[3] is evicted: slot 3 goes to a new id with a new row; slot 63 (free) is taken
     delta = read_delta(_delta(tmp_path / "d.delta", {"r": ([3, ROWS - 1], _row_bytes(-np.ones(8)), [123, -456])}), LAYOUT)
     apply_delta(delta, writer, RowLock(tmp_path), tmp_path, Pace(), undo=tmp_path / "d.undo")
-    remap = SlotRemap(ROWS)
-    remap.load((mapped["slot_maps.r.sorted_ids"], mapped["slot_maps.r.slots"]))  # the reader's own mapping
+    remap = _served((mapped["slot_maps.r.sorted_ids"], mapped["slot_maps.r.slots"]))  # the reader's own mapping
     assert remap(torch.tensor([123, -456, int(OWNERS[3]), int(OWNERS[4])])).tolist() == [3, ROWS - 1, ROWS - 1, 4]
     rows = mapped["tbe.0"].view(torch.float32).reshape(2 * ROWS, 4)
     assert rows[3].tolist() == [-1.0] * 4 and rows[4].tolist() == before["tbe.0"].view(torch.float32)[16:20].tolist()
@@ -174,8 +182,7 @@ def test_no_reader_sees_an_id_with_another_ids_row(tmp_path):
         read_delta(_delta(tmp_path / f"{k}.delta", {"r": ([10, 20], np.concatenate([rows[x], rows[y]]), [x, y])}), LAYOUT)
         for k, (x, y) in enumerate(((a, b), (b, a)))
     ]
-    remap = SlotRemap(ROWS)
-    remap.load((mapped["slot_maps.r.sorted_ids"], mapped["slot_maps.r.slots"]))
+    remap = _served((mapped["slot_maps.r.sorted_ids"], mapped["slot_maps.r.slots"]))
     table = mapped["tbe.0"].view(torch.float32).reshape(2 * ROWS, 4)
     lock, stop, seen = RowLock(tmp_path), threading.Event(), []
     writing = RowLock(tmp_path)  # the writer's own open file: excludes the reader's

@@ -1,0 +1,170 @@
+"""The served remap of a raw-id collection: every feature's raw ids to its table's slots at once,
+exactly as TorchRec's eval remaps (MCH, ZCH) map them one table at a time, and the unseen ids
+counted as they go.
+
+One search over all tables of a kind, not one per table: a graph step per table (26 of them in a
+Criteo-shaped model) cost more at one item than the searches themselves. So a kind's slot maps lie
+end to end (``slot_maps.fused``), each table a range of them:
+
+* MCH: ``sorted_ids`` / ``slots``, each table's owners sorted and the slot of each. A binary search
+  bounded by each id's table range, as many halving steps as the largest table needs, finds the
+  first owner not below the id (``torch.searchsorted`` on that table); an id that owns no slot gets
+  its table's last slot, the default row.
+* ZCH: ``identities``, row-aligned. FBGEMM's probing (``tbe.zch_slots``) within each id's bucket,
+  given as that table's range of the whole: an id that owns no slot gets its first probe slot.
+
+    remaps = RawIdRemaps(tables, counted=["t_a", "t_b"])
+    remaps.load(fused(maps, [t.name for t in tables]))
+    slots = remaps(ids, feature_lengths)   # int64 [V] feature-major, [F] -> int64 [V], table-local
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from handlers.modeling import tbe
+from handlers.modeling.remap_spec import RemapKind, RemapSpec
+from handlers.modeling.spec import TableSpec
+from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
+from handlers.runtime.slot_maps import HASHED_PARTS, SORTED_PARTS, SlotMap, spanned
+
+
+class RawIdRemaps(nn.Module):
+    """Raw ids of ``tables``' features (in that order: ``features``) -> slots. ``counts`` (int64
+    [2, len(counted)]): per table of ``counted`` (the model's raw-id tables; default these), the
+    ids found owning no slot and all ids mapped since load (``handlers.runtime.unseen_ids``)."""
+
+    def __init__(self, tables: Sequence[TableSpec], counted: Sequence[str] | None = None) -> None:
+        super().__init__()
+        counted = list(counted if counted is not None else sorted(t.name for t in tables))
+        sorted_kind = [t for t in tables if t.remap and t.remap.kind == RemapKind.MCH]
+        hashed = [t for t in tables if t.remap and t.remap.kind == RemapKind.ZCH]
+        self.features = [f for t in tables for f in t.features]
+        self.ranges = {**_ranges(sorted_kind), **_ranges(hashed)}  # table -> (first slot, rows) in its kind's maps
+        self.sorted_tables, self.hashed_tables = [t.name for t in sorted_kind], [t.name for t in hashed]
+        # Per feature, of its table: its column in ``counts`` (one-hot); for MCH, its range's first slot and
+        # last offset to search (0 and 0 for a ZCH table: nothing), its default slot; for ZCH, its
+        # first slot, bucket rows and buckets (0, 1, 1 for an MCH table). Only a kind's own.
+        table_of = [t for t in tables for _ in t.features]
+        mch = [t.name in self.sorted_tables for t in table_of]
+        columns = [counted.index(t.name) for t in table_of]
+        per_feature: dict[str, list] = {"column": [[int(c == k) for k in range(len(counted))] for c in columns]}
+        if sorted_kind:
+            self.register_buffer("sorted_ids", torch.full((sum(t.rows for t in sorted_kind),), MCH_FREE_SLOT))
+            self.register_buffer("slots", torch.cat([torch.arange(t.rows) for t in sorted_kind]))
+            per_feature["search_from"] = [self.ranges[t.name][0] if m else 0 for t, m in zip(table_of, mch)]
+            per_feature["search_span"] = [t.rows - 1 if m else 0 for t, m in zip(table_of, mch)]
+            per_feature["default_slot"] = [t.rows - 1 for t in table_of]
+        if hashed:
+            self.register_buffer("identities", torch.full((sum(t.rows for t in hashed),), ZCH_EMPTY_SLOT))
+            per_feature["probe_from"] = [0 if m else self.ranges[t.name][0] for t, m in zip(table_of, mch)]
+            per_feature["buckets"] = [1 if m else _zch(t).buckets for t, m in zip(table_of, mch)]
+            per_feature["bucket_rows"] = [1 if m else t.rows // _zch(t).buckets for t, m in zip(table_of, mch)]
+        if sorted_kind and hashed:
+            per_feature["is_hashed"] = [not m for m in mch]
+        self.halvings = max((t.rows - 1).bit_length() for t in sorted_kind) if sorted_kind else 0
+        # one FBGEMM call per distinct max_probe, over the ids of its tables
+        probes = [0 if m else _zch(t).max_probe for t, m in zip(table_of, mch)]
+        self.max_probes = sorted(set(probes) - {0})
+        self.all_hashed_alike = not sorted_kind and len(self.max_probes) == 1
+        if hashed and not self.all_hashed_alike:
+            per_feature["probe_group"] = [self.max_probes.index(p) if p else -1 for p in probes]
+        for name, values in per_feature.items():
+            self.register_buffer(name, torch.tensor(values), persistent=False)
+        self.register_buffer("counts", torch.zeros((2, len(counted)), dtype=torch.int64), persistent=False)
+
+    def load(self, maps: Mapping[str, SlotMap]) -> None:
+        """Serves the tables' slot maps, used in place (a mapped file's pages stay shared): each
+        kind's must lie end to end in table order (``slot_maps.fused``)."""
+        for names, parts in ((self.sorted_tables, SORTED_PARTS), (self.hashed_tables, HASHED_PARTS)):
+            if not names:
+                continue
+            wrong = [t for t in names if len(maps[t]) != len(parts)]
+            if wrong:
+                raise ValueError(f"tables {wrong}: their slot maps must be {' and '.join(parts)}, "
+                                 f"got {len(maps[wrong[0]])} part(s)")
+            whole = spanned([maps[t] for t in names])
+            if whole is None:
+                raise ValueError(f"the slot maps of tables {names} do not lie end to end (slot_maps.fused)")
+            for name, tensor in zip(parts, whole):
+                expected = getattr(self, name)
+                if tensor.shape != expected.shape or tensor.dtype != torch.int64:
+                    raise ValueError(f"slot maps' {name} must be int64 {list(expected.shape)} for tables {names}, "
+                                     f"got {tensor.dtype} {list(tensor.shape)}")
+                setattr(self, name, tensor)
+
+    def table_maps(self) -> dict[str, SlotMap]:
+        """Each table's slot map: views of the served tensors."""
+        parts = dict.fromkeys(self.sorted_tables, SORTED_PARTS) | dict.fromkeys(self.hashed_tables, HASHED_PARTS)
+        return {
+            name: tuple(getattr(self, part)[start : start + rows] for part in parts[name])
+            for name, (start, rows) in self.ranges.items()
+        }
+
+    def forward(self, ids: torch.Tensor, feature_lengths: torch.Tensor) -> torch.Tensor:
+        """Raw ids int64 [V], feature-major, and the ids of each feature int64 [F] -> each id's
+        slot in its table, int64 [V]."""
+        feature = torch.repeat_interleave(feature_lengths, output_size=ids.shape[0])
+        slots, owned = self._sorted(ids, feature) if self.sorted_tables else (ids, ids != ids)
+        for group, max_probe in enumerate(self.max_probes):
+            slots, owned = self._hashed(ids, feature, group, max_probe, slots, owned)
+        missed = torch.nn.functional.pad(torch.cumsum(~owned, 0), (1, 0))
+        ends = torch.cumsum(feature_lengths, 0)
+        per_feature = torch.stack([missed[ends] - missed[ends - feature_lengths], feature_lengths])
+        self.counts.add_((per_feature.unsqueeze(2) * self.column).sum(1))  # [2, F] -> [2, tables]
+        return slots
+
+    def first_feature(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slots of raw ids int64 [V] that are all the first feature's (one table's lookups)."""
+        lengths = torch.zeros(len(self.features), dtype=torch.int64)
+        lengths[0] = len(ids)
+        return self(ids, lengths)
+
+    def _sorted(self, ids: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MCH: the first position of each id's table range whose owner is not below it, found by
+        halving the range; the slot there if that owner is the id, else the default slot."""
+        low = self.search_from[feature]
+        high = low + self.search_span[feature]
+        for _ in range(self.halvings):
+            active = low < high
+            middle = (low + high) >> 1
+            above = active & (self.sorted_ids[middle] < ids)
+            low = torch.where(above, middle + 1, low)
+            high = torch.where(active & ~above, middle, high)
+        owned = self.sorted_ids[low] == ids
+        if self.hashed_tables:
+            owned &= ~self.is_hashed[feature]
+        return torch.where(owned, self.slots[low], self.default_slot[feature]), owned
+
+    def _hashed(
+        self, ids: torch.Tensor, feature: torch.Tensor, group: int, max_probe: int, slots: torch.Tensor,
+        owned: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ZCH, the ids of the tables that probe ``max_probe`` slots: FBGEMM's probing within each
+        id's bucket, given as a range of ``identities``; where no slot holds the id, its first probe."""
+        at = None if self.all_hashed_alike else torch.nonzero(self.probe_group[feature] == group).flatten()
+        mine, of = (ids, feature) if at is None else (ids[at], feature[at])
+        bucket_rows = self.bucket_rows[of]
+        first = self.probe_from[of] + torch.remainder(mine, self.buckets[of]) * bucket_rows
+        found = tbe.zch_slots(mine, self.identities, max_probe, bucket_rows, first)
+        hit = self.identities[found] == mine
+        local = found - self.probe_from[of]
+        if at is None:
+            return local, hit
+        return slots.index_put((at,), local), owned.index_put((at,), hit)
+
+
+def _zch(table: TableSpec) -> RemapSpec:
+    assert table.remap is not None and table.remap.kind == RemapKind.ZCH, f"{table.name} is not a zch table"
+    return table.remap
+
+
+def _ranges(tables: Sequence[TableSpec]) -> dict[str, tuple[int, int]]:
+    """Each table's first slot and rows, end to end."""
+    ranges, at = {}, 0
+    for t in tables:
+        ranges[t.name], at = (at, t.rows), at + t.rows
+    return ranges

@@ -1,0 +1,81 @@
+"""The served remap of a raw-id collection (``RawIdRemaps``): every table's ids in one call give
+the slots each table's own search gives (``torch.searchsorted`` on an MCH table's sorted owners,
+FBGEMM's probing of a ZCH table alone), and the ids it counts unseen are those that own no slot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handlers.modeling.raw_ids import random_slot_map, zch_lookup
+from handlers.modeling.remaps import RawIdRemaps
+from handlers.modeling.spec import TableSpec
+from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
+from handlers.runtime.slot_maps import fused, spanned
+
+# both kinds, two ZCH probe lengths, buckets, a table of two features, a table of one slot
+TABLES = [
+    TableSpec(name="a", rows=1000, dim=8, features=["fa"], ids="raw", remap={"kind": "mch"}),
+    TableSpec(name="z", rows=512, dim=8, features=["fz", "fz2"], ids="raw",
+              remap={"kind": "zch", "max_probe": 16, "buckets": 2}),
+    TableSpec(name="b", rows=7, dim=8, features=["fb"], ids="raw", remap={"kind": "mch"}),
+    TableSpec(name="y", rows=300, dim=8, features=["fy"], ids="raw", remap={"kind": "zch", "max_probe": 8}),
+    TableSpec(name="c", rows=1, dim=8, features=["fc"], ids="raw", remap={"kind": "mch"}),
+]
+COUNTED = ["a", "b", "c", "other", "y", "z"]  # the model's raw-id tables: one is another collection's
+
+
+def _table_search(table: TableSpec, slot_map, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One table's slots and which ids own one, by that table's own search."""
+    if table.remap.kind == "zch":
+        (identities,) = slot_map
+        slots = zch_lookup(ids, identities, table.remap.max_probe, table.remap.buckets)
+        return slots, identities[slots] == ids
+    sorted_ids, slots = slot_map
+    found = torch.searchsorted(sorted_ids[:-1], ids)
+    owned = sorted_ids[found] == ids
+    return torch.where(owned, slots[found], table.rows - 1), owned
+
+
+def test_every_tables_ids_in_one_call_get_their_own_tables_slots_and_unseen_ones_are_counted():
+    generator = torch.Generator().manual_seed(0)
+    maps = {t.name: random_slot_map(t, generator) for t in TABLES}
+    remap = RawIdRemaps(TABLES, COUNTED)
+    remap.load(fused(maps, [t.name for t in TABLES]))
+    features = [(t, f) for t in TABLES for f in t.features]
+    assert remap.features == [f for _, f in features]
+    for _ in range(40):
+        ids, lengths, expected = [], [], []
+        unseen = dict.fromkeys(COUNTED, 0)
+        looked_up = dict.fromkeys(COUNTED, 0)
+        for table, _ in features:
+            n = int(torch.randint(0, 6, (1,), generator=generator))
+            owners = maps[table.name][0]
+            held = owners[torch.randint(0, len(owners), (n,), generator=generator)]
+            anywhere = torch.randint(-(2**63), MCH_FREE_SLOT, (n,), generator=generator)
+            drawn = torch.where(torch.rand(n, generator=generator) < 0.5, held, anywhere)
+            drawn = drawn[(drawn != MCH_FREE_SLOT) & (drawn != ZCH_EMPTY_SLOT)]  # the wire refuses both
+            slots, owned = _table_search(table, maps[table.name], drawn)
+            ids.append(drawn), lengths.append(len(drawn)), expected.append(slots)
+            unseen[table.name] += int((~owned).sum())
+            looked_up[table.name] += len(drawn)
+        before = remap.counts.clone()
+        assert torch.equal(remap(torch.cat(ids), torch.tensor(lengths)), torch.cat(expected))
+        grown = (remap.counts - before).tolist()
+        assert grown == [[unseen[t] for t in COUNTED], [looked_up[t] for t in COUNTED]]
+
+
+def test_the_served_maps_are_views_of_the_fused_tensors_and_maps_not_laid_end_to_end_are_refused():
+    generator = torch.Generator().manual_seed(1)
+    maps = {t.name: random_slot_map(t, generator) for t in TABLES}
+    laid = fused(maps, [t.name for t in TABLES])
+    sorted_ids, slots = spanned([laid["a"], laid["b"], laid["c"]])
+    assert sorted_ids.numel() == 1000 + 7 + 1 and sorted_ids.data_ptr() == laid["a"][0].data_ptr()
+    remap = RawIdRemaps(TABLES)
+    remap.load(laid)
+    served = remap.table_maps()
+    assert all(torch.equal(a, b) for t in maps for a, b in zip(served[t], maps[t]))
+    served["b"][0][0] = -5  # a delta's write through a table's view reaches the served tensor
+    assert int(remap.sorted_ids[1000]) == -5
+    with pytest.raises(ValueError, match=r"the slot maps of tables \['a', 'b', 'c'\] do not lie end to end"):
+        RawIdRemaps(TABLES).load(maps)
