@@ -187,9 +187,9 @@ def served_slot_maps(model: nn.Module) -> dict[str, SlotMap]:
     }
 
 
-def fused_in(model: nn.Module, maps: Mapping[str, SlotMap]) -> dict[str, SlotMap]:
-    """``maps`` laid out as ``model``'s raw-id collections serve them (``slot_maps.fused``): each
-    collection's tables of a kind end to end."""
+def fused_in(model: nn.Module, maps: dict[str, SlotMap]) -> dict[str, SlotMap]:
+    """``maps`` laid out (in place) as ``model``'s raw-id collections serve them
+    (``slot_maps.fused``): each collection's tables of a kind end to end."""
     collections = [module for module in model.modules() if isinstance(module, RawIdBags)]
     return fused(maps, [name for module in collections for name in module.raw_id_remaps.ranges])
 

@@ -17,7 +17,7 @@ The served remap searches all tables of a kind at once (``handlers.modeling.rema
 maps lie end to end, each table's a view of one tensor per part (``fused``), which a file stores
 once and a worker maps once; ``spanned`` gives that tensor back:
 
-    maps = fused({"a": (ids_a, slots_a), "b": (ids_b, slots_b)}, ["a", "b"])
+    maps = fused({"a": (ids_a, slots_a), "b": (ids_b, slots_b)}, ["a", "b"])   # in place
     sorted_ids, slots = spanned([maps["a"], maps["b"]])    # [rows_a + rows_b] each, no copy
 """
 
@@ -49,21 +49,23 @@ def is_hashed(slot_map: SlotMap) -> bool:
     return len(slot_map) == len(HASHED_PARTS)
 
 
-def fused(maps: Mapping[str, SlotMap], order: Sequence[str]) -> dict[str, SlotMap]:
-    """``maps`` with the tables named in ``order`` copied end to end, in that order, one tensor
-    per kind and part: each table's map a view of them. Tables not named are left as they are."""
-    out = dict(maps)
+def fused(maps: dict[str, SlotMap], order: Sequence[str]) -> dict[str, SlotMap]:
+    """Lays the maps of the tables named in ``order`` end to end, in that order, one tensor per
+    kind and part, in place: each of those entries of ``maps`` becomes a view of them (the
+    table's own tensors are let go as it is copied: a build holds one copy). Returns ``maps``."""
     for hashed in (False, True):
         names = [t for t in order if is_hashed(maps[t]) == hashed]
         if not names:
             continue
-        parts = [torch.cat([maps[t][i] for t in names]) for i in range(len(maps[names[0]]))]
+        parts = [torch.empty(sum(len(maps[t][0]) for t in names), dtype=torch.int64) for _ in maps[names[0]]]
         start = 0
         for t in names:
             rows = len(maps[t][0])
-            out[t] = tuple(part[start : start + rows] for part in parts)
+            for part, table_part in zip(parts, maps[t]):
+                part[start : start + rows] = table_part
+            maps[t] = tuple(part[start : start + rows] for part in parts)
             start += rows
-    return out
+    return maps
 
 
 def spanned(maps: Sequence[SlotMap]) -> SlotMap | None:

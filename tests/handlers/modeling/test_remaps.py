@@ -41,7 +41,7 @@ def test_every_tables_ids_in_one_call_get_their_own_tables_slots_and_unseen_ones
     generator = torch.Generator().manual_seed(0)
     maps = {t.name: random_slot_map(t, generator) for t in TABLES}
     remap = RawIdRemaps(TABLES, COUNTED)
-    remap.load(fused(maps, [t.name for t in TABLES]))
+    remap.load(fused(dict(maps), [t.name for t in TABLES]))  # maps keeps each table's own tensors
     features = [(t, f) for t in TABLES for f in t.features]
     assert remap.features == [f for _, f in features]
     for _ in range(40):
@@ -68,7 +68,7 @@ def test_every_tables_ids_in_one_call_get_their_own_tables_slots_and_unseen_ones
 def test_the_served_maps_are_views_of_the_fused_tensors_and_maps_not_laid_end_to_end_are_refused():
     generator = torch.Generator().manual_seed(1)
     maps = {t.name: random_slot_map(t, generator) for t in TABLES}
-    laid = fused(maps, [t.name for t in TABLES])
+    laid = fused(dict(maps), [t.name for t in TABLES])
     sorted_ids, slots = spanned([laid["a"], laid["b"], laid["c"]])
     assert sorted_ids.numel() == 1000 + 7 + 1 and sorted_ids.data_ptr() == laid["a"][0].data_ptr()
     remap = RawIdRemaps(TABLES)
