@@ -24,10 +24,10 @@ from torch import nn
 from handlers.modeling import tbe
 from handlers.modeling.errors import CheckpointError
 from handlers.modeling.remap_spec import MchEviction, RemapKind, Unseen
+from handlers.modeling.remaps import RawIdRemaps
 from handlers.modeling.spec import TableSpec
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 from handlers.runtime.quiet import quieter
-from handlers.modeling.remaps import RawIdRemaps
 from handlers.runtime.slot_maps import SlotMap, fused, hash_map, owners_of, slot_map
 
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor  # isort: skip

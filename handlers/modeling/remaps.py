@@ -28,7 +28,6 @@ from torch import nn
 from handlers.modeling import tbe
 from handlers.modeling.remap_spec import RemapKind, RemapSpec
 from handlers.modeling.spec import TableSpec
-from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 from handlers.runtime.slot_maps import HASHED_PARTS, SORTED_PARTS, SlotMap, spanned
 
 
@@ -53,13 +52,14 @@ class RawIdRemaps(nn.Module):
         columns = [counted.index(t.name) for t in table_of]
         per_feature: dict[str, list] = {"column": [[int(c == k) for k in range(len(counted))] for c in columns]}
         if sorted_kind:
-            self.register_buffer("sorted_ids", torch.full((sum(t.rows for t in sorted_kind),), MCH_FREE_SLOT))
-            self.register_buffer("slots", torch.cat([torch.arange(t.rows) for t in sorted_kind]))
+            # placeholders until ``load`` (empty: a 1TB model's would take GBs while its maps are laid out)
+            self.register_buffer("sorted_ids", torch.empty(sum(t.rows for t in sorted_kind), dtype=torch.int64))
+            self.register_buffer("slots", torch.empty(sum(t.rows for t in sorted_kind), dtype=torch.int64))
             per_feature["search_from"] = [self.ranges[t.name][0] if m else 0 for t, m in zip(table_of, mch)]
             per_feature["search_span"] = [t.rows - 1 if m else 0 for t, m in zip(table_of, mch)]
             per_feature["default_slot"] = [t.rows - 1 for t in table_of]
         if hashed:
-            self.register_buffer("identities", torch.full((sum(t.rows for t in hashed),), ZCH_EMPTY_SLOT))
+            self.register_buffer("identities", torch.empty(sum(t.rows for t in hashed), dtype=torch.int64))
             per_feature["probe_from"] = [0 if m else self.ranges[t.name][0] for t, m in zip(table_of, mch)]
             per_feature["buckets"] = [1 if m else _zch(t).buckets for t, m in zip(table_of, mch)]
             per_feature["bucket_rows"] = [1 if m else t.rows // _zch(t).buckets for t, m in zip(table_of, mch)]
@@ -86,9 +86,15 @@ class RawIdRemaps(nn.Module):
             if wrong:
                 raise ValueError(f"tables {wrong}: their slot maps must be {' and '.join(parts)}, "
                                  f"got {len(maps[wrong[0]])} part(s)")
+            sized = [t for t in names if any(len(part) != self.ranges[t][1] for part in maps[t])]
+            if sized:
+                t = sized[0]
+                raise ValueError(f"table {t}'s slot map must be int64 [{self.ranges[t][1]}] a part, "
+                                 f"got {[list(part.shape) for part in maps[t]]}")
             whole = spanned([maps[t] for t in names])
             if whole is None:
-                raise ValueError(f"the slot maps of tables {names} do not lie end to end (slot_maps.fused)")
+                raise ValueError(f"the slot maps of tables {names} do not lie end to end (slot_maps.fused): "
+                                 "a weights file written by an older torchrec-serve keeps them apart; rebuild the archive")
             for name, tensor in zip(parts, whole):
                 expected = getattr(self, name)
                 if tensor.shape != expected.shape or tensor.dtype != torch.int64:

@@ -1,5 +1,5 @@
 """Slot maps: which raw id owns each slot (row) of a raw-id table, in the form the served remap
-searches (``handlers.modeling.raw_ids``), and how a delta's new owners make a new one.
+searches (``handlers.modeling.remaps``), and how a delta's new owners make a new one.
 
 A table's slot owners are int64 [rows], row-aligned, ``MCH_FREE_SLOT`` where no id owns the slot.
 An MCH table's slot map is the owners sorted (free slots last) and the slot of each; a ZCH table's

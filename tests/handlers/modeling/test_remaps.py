@@ -11,9 +11,9 @@ from handlers.modeling.raw_ids import random_slot_map, zch_lookup
 from handlers.modeling.remaps import RawIdRemaps
 from handlers.modeling.spec import TableSpec
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
-from handlers.runtime.slot_maps import fused, spanned
+from handlers.runtime.slot_maps import fused, slot_map, spanned
 
-# both kinds, two ZCH probe lengths, buckets, a table of two features, a table of one slot
+# both kinds, two ZCH probe lengths, buckets, a table of two features, tables of one and two slots
 TABLES = [
     TableSpec(name="a", rows=1000, dim=8, features=["fa"], ids="raw", remap={"kind": "mch"}),
     TableSpec(name="z", rows=512, dim=8, features=["fz", "fz2"], ids="raw",
@@ -21,8 +21,9 @@ TABLES = [
     TableSpec(name="b", rows=7, dim=8, features=["fb"], ids="raw", remap={"kind": "mch"}),
     TableSpec(name="y", rows=300, dim=8, features=["fy"], ids="raw", remap={"kind": "zch", "max_probe": 8}),
     TableSpec(name="c", rows=1, dim=8, features=["fc"], ids="raw", remap={"kind": "mch"}),
+    TableSpec(name="d", rows=2, dim=8, features=["fd"], ids="raw", remap={"kind": "mch"}),
 ]
-COUNTED = ["a", "b", "c", "other", "y", "z"]  # the model's raw-id tables: one is another collection's
+COUNTED = ["a", "b", "c", "d", "other", "y", "z"]  # the model's raw-id tables: one is another collection's
 
 
 def _table_search(table: TableSpec, slot_map, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,10 +41,14 @@ def _table_search(table: TableSpec, slot_map, ids: torch.Tensor) -> tuple[torch.
 def test_every_tables_ids_in_one_call_get_their_own_tables_slots_and_unseen_ones_are_counted():
     generator = torch.Generator().manual_seed(0)
     maps = {t.name: random_slot_map(t, generator) for t in TABLES}
+    for full in ("b", "d"):  # every slot owned, the last too: a search must stop at its table's end
+        owners = torch.randint(-(2**63), MCH_FREE_SLOT, (len(maps[full][0]),), generator=generator)
+        maps[full] = slot_map(owners)
     remap = RawIdRemaps(TABLES, COUNTED)
     remap.load(fused(dict(maps), [t.name for t in TABLES]))  # maps keeps each table's own tensors
     features = [(t, f) for t in TABLES for f in t.features]
     assert remap.features == [f for _, f in features]
+    everyones = torch.cat([m[0] for m in maps.values()])  # other tables' owners: unseen in this one
     for _ in range(40):
         ids, lengths, expected = [], [], []
         unseen = dict.fromkeys(COUNTED, 0)
@@ -53,7 +58,9 @@ def test_every_tables_ids_in_one_call_get_their_own_tables_slots_and_unseen_ones
             owners = maps[table.name][0]
             held = owners[torch.randint(0, len(owners), (n,), generator=generator)]
             anywhere = torch.randint(-(2**63), MCH_FREE_SLOT, (n,), generator=generator)
-            drawn = torch.where(torch.rand(n, generator=generator) < 0.5, held, anywhere)
+            elsewhere = everyones[torch.randint(0, len(everyones), (n,), generator=generator)]
+            pick = torch.rand(n, generator=generator)
+            drawn = torch.where(pick < 0.4, held, torch.where(pick < 0.7, elsewhere, anywhere))
             drawn = drawn[(drawn != MCH_FREE_SLOT) & (drawn != ZCH_EMPTY_SLOT)]  # the wire refuses both
             slots, owned = _table_search(table, maps[table.name], drawn)
             ids.append(drawn), lengths.append(len(drawn)), expected.append(slots)
@@ -69,13 +76,17 @@ def test_the_served_maps_are_views_of_the_fused_tensors_and_maps_not_laid_end_to
     generator = torch.Generator().manual_seed(1)
     maps = {t.name: random_slot_map(t, generator) for t in TABLES}
     laid = fused(dict(maps), [t.name for t in TABLES])
-    sorted_ids, slots = spanned([laid["a"], laid["b"], laid["c"]])
-    assert sorted_ids.numel() == 1000 + 7 + 1 and sorted_ids.data_ptr() == laid["a"][0].data_ptr()
+    sorted_ids, slots = spanned([laid["a"], laid["b"], laid["c"], laid["d"]])
+    assert sorted_ids.numel() == 1000 + 7 + 1 + 2 and sorted_ids.data_ptr() == laid["a"][0].data_ptr()
     remap = RawIdRemaps(TABLES)
     remap.load(laid)
     served = remap.table_maps()
     assert all(torch.equal(a, b) for t in maps for a, b in zip(served[t], maps[t]))
     served["b"][0][0] = -5  # a delta's write through a table's view reaches the served tensor
     assert int(remap.sorted_ids[1000]) == -5
-    with pytest.raises(ValueError, match=r"the slot maps of tables \['a', 'b', 'c'\] do not lie end to end"):
+    with pytest.raises(ValueError, match=r"the slot maps of tables \['a', 'b', 'c', 'd'\] do not lie end to end"):
         RawIdRemaps(TABLES).load(maps)
+    split_wrong = fused({**maps, "a": tuple(p[:999] for p in maps["a"]), "b": tuple(torch.cat([p, p[:1]]) for p in maps["b"])},
+                        [t.name for t in TABLES])  # the right total, the wrong tables' sizes
+    with pytest.raises(ValueError, match=r"table a's slot map must be int64 \[1000\] a part, got \[\[999\], \[999\]\]"):
+        RawIdRemaps(TABLES).load(split_wrong)
