@@ -241,7 +241,8 @@ def quantize_in_place(
                 )
             for table_batch in tbe.tbes(module):
                 tbe.set_index_remappings(table_batch, remappings)
-            _replace(model, collection.path, RawIdBags(module, tables, sorted(spec.raw_id_tables)) if collection.raw_ids else module)
+            served = RawIdBags(module, tables, sorted(spec.raw_id_tables)) if collection.raw_ids else module
+            _replace(model, collection.path, served)
             quantized.append(Collection(collection.path, module, collection.tables, collection.raw_ids))
     return quantized
 

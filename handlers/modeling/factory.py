@@ -117,7 +117,8 @@ class DLRMFactory:
             name: (rows.clone(), None if scale_bias is None else scale_bias.clone())
             for name, (rows, scale_bias) in _table_views(quantized).items()
         }
-        return InferenceWeights(tables, _dense_state(float_model), slot_maps=self._fused(raw_ids.slot_maps(float_model)))
+        maps = self._fused(raw_ids.slot_maps(float_model))
+        return InferenceWeights(tables, _dense_state(float_model), slot_maps=maps)
 
     def random_weights(self, seed: int) -> InferenceWeights:
         """Seeded random weights created straight in the served layout: no float table ever exists.
