@@ -36,7 +36,6 @@ from handlers.modeling.embedding_modules import (
 )
 from handlers.modeling.errors import CheckpointError
 from handlers.modeling.registry import architecture_of, check_forward
-from handlers.modeling.remap_spec import Unseen
 from handlers.modeling.sharding import shard
 from handlers.modeling.spec import ModelSpec, WeightDtype
 from handlers.modeling.weights import (
@@ -138,7 +137,7 @@ class DLRMFactory:
         maps = {t.name: raw_ids.random_slot_map(t, generator) for t in self.spec.tables if t.remap}
         tables = _table_views(model)
         for table in self.spec.tables:
-            if table.remap is not None and table.remap.unseen == Unseen.ZERO:  # a zero row: scale and bias 0
+            if table.remap is not None and table.remap.zero_row:  # MCH's default row held at zero: scale and bias 0
                 for part in tables[table.name]:
                     if part is not None:
                         part[-1].zero_()

@@ -23,7 +23,7 @@ from torch import nn
 
 from handlers.modeling import tbe
 from handlers.modeling.errors import CheckpointError
-from handlers.modeling.remap_spec import MchEviction, RemapKind, Unseen
+from handlers.modeling.remap_spec import MchEviction, RemapKind
 from handlers.modeling.remaps import RawIdRemaps
 from handlers.modeling.spec import TableSpec
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
@@ -68,7 +68,8 @@ class ManagedBags(nn.Module):
         self.mc_embedding_bag_collection = ManagedCollisionEmbeddingBagCollection(
             ebc, ManagedCollisionCollection(remaps, configs), return_remapped_features=False
         )
-        self._zero_unseen = [t.name for t in tables if t.remap.unseen == Unseen.ZERO]
+        self._zero_unseen = [t.name for t in tables if t.remap.zero_row]  # type: ignore[union-attr]
+        self._dropping_unseen = {t.name: t.features for t in zch if t.remap.drops_unseen}  # type: ignore[union-attr]
         if self._zero_unseen:
             self.register_load_state_dict_post_hook(lambda module, _: module.zero_unseen_rows())
             self.zero_unseen_rows()
@@ -115,8 +116,31 @@ class ManagedBags(nn.Module):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if self._zero_unseen:
             self.zero_unseen_rows()
+        if self._dropping_unseen and not self.training:  # a training inserts them
+            features = self.without_unseen(features)
         pooled, _ = self.mc_embedding_bag_collection(features)
         return pooled
+
+    def without_unseen(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``features`` with every id of a ZCH table with ``unseen: zero`` that owns no slot left
+        out of its bag (its weight too): what the served remap's -1 slot does in FBGEMM's lookup."""
+        _, remaps = tbe.managed_collision_parts(self.mc_embedding_bag_collection)
+        keys, lengths, values = features.keys(), features.lengths(), features.values()
+        key_of = torch.repeat_interleave(torch.arange(len(keys)), lengths.view(len(keys), -1).sum(1))
+        keep = torch.ones_like(values, dtype=torch.bool)
+        for table, table_features in self._dropping_unseen.items():
+            mine = torch.isin(key_of, torch.tensor([keys.index(f) for f in table_features if f in keys]))
+            ids, identities = values[mine], tbe.zch_identities(remaps[table])
+            keep[mine] = identities[zch_lookup(ids, identities, *self._hashed[table])] == ids
+        bag_of = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        weights = features.weights_or_none()
+        return KeyedJaggedTensor(
+            keys=keys,
+            values=values[keep],
+            lengths=torch.bincount(bag_of[keep], minlength=lengths.numel()).to(lengths.dtype),
+            weights=None if weights is None else weights[keep],
+            stride=features.stride(),
+        )
 
 
 class RawIdBags(nn.Module):

@@ -64,7 +64,8 @@ class Unseen(str, enum.Enum):
     last slot, trained on every id outside the table), or a zero row (that slot held at zero: the
     id adds nothing to a sum; a mean still counts it). zch has no reserved slot: an unseen id looks
     up the slot its probing starts at (``probe_slot``, TorchRec's eval behaviour), another id's row
-    or a never-assigned one."""
+    or a never-assigned one; or no row at all (``zero``: the id is left out of its bag, so it adds
+    nothing to a sum and a mean does not count it)."""
 
     DEFAULT_ROW = "default_row"
     ZERO = "zero"
@@ -72,7 +73,7 @@ class Unseen(str, enum.Enum):
 
 
 _SETTINGS = {RemapKind.MCH: {"eviction", "eviction_interval"}, RemapKind.ZCH: {"max_probe", "buckets"}}
-_UNSEEN = {RemapKind.MCH: (Unseen.DEFAULT_ROW, Unseen.ZERO), RemapKind.ZCH: (Unseen.PROBE_SLOT,)}
+_UNSEEN = {RemapKind.MCH: (Unseen.DEFAULT_ROW, Unseen.ZERO), RemapKind.ZCH: (Unseen.PROBE_SLOT, Unseen.ZERO)}
 
 
 class RemapSpec(BaseModel):
@@ -90,8 +91,18 @@ class RemapSpec(BaseModel):
     unseen: Unseen | None = Field(
         None,  # filled by kind: mch default_row, zch probe_slot
         description="what an id the model has not seen looks up: mch default_row (null: the default) "
-        "or zero; zch probe_slot",
+        "or zero (a zero row); zch probe_slot (null: the default) or zero (no row: left out of its bag)",
     )
+
+    @property
+    def zero_row(self) -> bool:
+        """An MCH table with ``unseen: zero``: its default row (the last slot) is held at zero."""
+        return self.kind == RemapKind.MCH and self.unseen == Unseen.ZERO
+
+    @property
+    def drops_unseen(self) -> bool:
+        """A ZCH table with ``unseen: zero``: an unseen id looks up no row (left out of its bag)."""
+        return self.kind == RemapKind.ZCH and self.unseen == Unseen.ZERO
 
     @model_validator(mode="before")
     @classmethod

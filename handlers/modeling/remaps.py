@@ -11,7 +11,8 @@ end to end (``slot_maps.fused``), each table a range of them:
   first owner not below the id (``torch.searchsorted`` on that table); an id that owns no slot gets
   its table's last slot, the default row.
 * ZCH: ``identities``, row-aligned. FBGEMM's probing (``tbe.zch_slots``) within each id's bucket,
-  given as that table's range of the whole: an id that owns no slot gets its first probe slot.
+  given as that table's range of the whole: an id that owns no slot gets its first probe slot, or,
+  in a table with ``unseen: zero``, slot -1, which FBGEMM's lookup leaves out of the bag.
 
     remaps = RawIdRemaps(tables, counted=["t_a", "t_b"])
     remaps.load(fused(maps, [t.name for t in tables]))
@@ -65,6 +66,9 @@ class RawIdRemaps(nn.Module):
             per_feature["bucket_rows"] = [1 if m else t.rows // _zch(t).buckets for t, m in zip(table_of, mch)]
         if sorted_kind and hashed:
             per_feature["is_hashed"] = [not m for m in mch]
+        self.dropping_unseen = any(t.remap.drops_unseen for t in hashed)  # type: ignore[union-attr]
+        if self.dropping_unseen:
+            per_feature["drops_unseen"] = [t.remap.drops_unseen for t in table_of]  # type: ignore[union-attr]
         self.halvings = max((t.rows - 1).bit_length() for t in sorted_kind) if sorted_kind else 0
         # one FBGEMM call per distinct max_probe, over the ids of its tables
         probes = [0 if m else _zch(t).max_probe for t, m in zip(table_of, mch)]
@@ -156,6 +160,8 @@ class RawIdRemaps(nn.Module):
         found = tbe.zch_slots(mine, self.identities, max_probe, bucket_rows, first)
         hit = self.identities[found] == mine
         local = found - self.probe_from[of]
+        if self.dropping_unseen:
+            local = torch.where(hit | ~self.drops_unseen[of], local, -1)
         if at is None:
             return local, hit
         return slots.index_put((at,), local), owned.index_put((at,), hit)

@@ -160,16 +160,49 @@ def test_unseen_zero_looks_up_a_zero_row(trained, archives, tmp_path):
     assert not np.isin(unseen, owned_ids(model)["t_user"].numpy()).any()
     with_unseen, empty = raw_request(spec, model, 31, items=2), raw_request(spec, model, 31, items=2)
     with_unseen["items"][0]["sparse"]["user_id"], empty["items"][0]["sparse"]["user_id"] = unseen, []
-
-    def first_score(service, request: dict) -> float:
-        return orjson.loads(service.handle([orjson.dumps(request)]).responses[0].body)["scores"][0]
-
     served_zero, served_default = archive_service(archive), archive_service(archives["eager"])
     assert first_score(served_zero, with_unseen) == pytest.approx(first_score(served_zero, empty), abs=1e-6)
     assert first_score(served_default, with_unseen) != pytest.approx(first_score(served_default, empty), abs=1e-4)
     factory.load_checkpoint(float_zero, torch.load(checkpoint, weights_only=True))  # the trained model, held at zero
     assert first_score(served_zero, with_unseen) == pytest.approx(
         float(float_scores(float_zero, zero, with_unseen)[0]), abs=QUANTIZATION_TOLERANCE)
+
+
+def test_zch_unseen_zero_leaves_unseen_ids_out_of_their_bags(trained, archives, tmp_path):
+    """``unseen: zero`` on t_item (ZCH, sum pooling): an id it has not seen looks up no row, so an
+    item whose item_id bag holds unseen ids beside owned ones scores as with the owned ones alone,
+    served (slot -1, which FBGEMM's lookup skips) and in the float model (which leaves them out of
+    their bags in eval); they are still counted unseen. The probe_slot archive scores it otherwise."""
+    spec, _, model, checkpoint = trained
+    tables = [t.model_dump(mode="json") for t in spec.tables]
+    next(t for t in tables if t["name"] == "t_item")["remap"]["unseen"] = "zero"
+    zero = spec.replace(name="tiny_raw_zch_zero", tables=tables)
+    zero.to_yaml(tmp_path / "zero.yaml")
+    factory = DLRMFactory(zero)
+    float_zero = factory.float_model(seed=0)
+    factory.load_checkpoint(float_zero, torch.load(checkpoint, weights_only=True))
+    float_zero.eval()
+    archive = build_archive(tmp_path / "zero.yaml", checkpoint=checkpoint, seed=0, name="tiny_raw_zch_zero",
+                            version="1.0", model_store=tmp_path, serving=ServingConfig(batch_size=8),
+                            artifact=Artifact.EAGER)
+    owned = owned_ids(model)["t_item"][:2].tolist()
+    unseen = torch.randint(-(2**63), MCH_FREE_SLOT, (3,), generator=torch.Generator().manual_seed(6)).tolist()
+    assert not np.isin(unseen, owned_ids(model)["t_item"].numpy()).any()
+    with_unseen, owned_only = raw_request(spec, model, 41, items=2), raw_request(spec, model, 41, items=2)
+    with_unseen["items"][0]["sparse"]["item_id"], owned_only["items"][0]["sparse"]["item_id"] = owned + unseen, owned
+
+    served_zero, served_probe = archive_service(archive), archive_service(archives["eager"])
+    assert first_score(served_zero, with_unseen) == pytest.approx(first_score(served_zero, owned_only), abs=1e-6)
+    assert first_score(served_probe, with_unseen) != pytest.approx(first_score(served_probe, owned_only), abs=1e-4)
+    reference = float(float_scores(float_zero, zero, with_unseen)[0])
+    assert reference == pytest.approx(float(float_scores(float_zero, zero, owned_only)[0]), abs=1e-6)
+    assert first_score(served_zero, with_unseen) == pytest.approx(reference, abs=QUANTIZATION_TOLERANCE)
+    counts = [s.handle([orjson.dumps(with_unseen)]).stats.unseen_ids["t_item"] for s in (served_zero, served_probe)]
+    assert counts[0] == counts[1] >= len(unseen)
+
+
+def first_score(service, request: dict) -> float:
+    return orjson.loads(service.handle([orjson.dumps(request)]).responses[0].body)["scores"][0]
 
 
 def test_raw_ids_arrive_exactly_and_the_free_slot_marker_is_refused(trained):

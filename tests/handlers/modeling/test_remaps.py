@@ -13,13 +13,15 @@ from handlers.modeling.spec import TableSpec
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 from handlers.runtime.slot_maps import fused, slot_map, spanned
 
-# both kinds, two ZCH probe lengths, buckets, a table of two features, tables of one and two slots
+# both kinds, two ZCH probe lengths, buckets, a table of two features, tables of one and two slots,
+# both kinds with unseen: zero (MCH: its default slot, the row held at zero; ZCH: no slot, -1)
 TABLES = [
     TableSpec(name="a", rows=1000, dim=8, features=["fa"], ids="raw", remap={"kind": "mch"}),
     TableSpec(name="z", rows=512, dim=8, features=["fz", "fz2"], ids="raw",
               remap={"kind": "zch", "max_probe": 16, "buckets": 2}),
-    TableSpec(name="b", rows=7, dim=8, features=["fb"], ids="raw", remap={"kind": "mch"}),
-    TableSpec(name="y", rows=300, dim=8, features=["fy"], ids="raw", remap={"kind": "zch", "max_probe": 8}),
+    TableSpec(name="b", rows=7, dim=8, features=["fb"], ids="raw", remap={"kind": "mch", "unseen": "zero"}),
+    TableSpec(name="y", rows=300, dim=8, features=["fy"], ids="raw",
+              remap={"kind": "zch", "max_probe": 8, "unseen": "zero"}),
     TableSpec(name="c", rows=1, dim=8, features=["fc"], ids="raw", remap={"kind": "mch"}),
     TableSpec(name="d", rows=2, dim=8, features=["fd"], ids="raw", remap={"kind": "mch"}),
 ]
@@ -31,7 +33,8 @@ def _table_search(table: TableSpec, slot_map, ids: torch.Tensor) -> tuple[torch.
     if table.remap.kind == "zch":
         (identities,) = slot_map
         slots = zch_lookup(ids, identities, table.remap.max_probe, table.remap.buckets)
-        return slots, identities[slots] == ids
+        owned = identities[slots] == ids
+        return torch.where(owned | (table.remap.unseen != "zero"), slots, -1), owned
     sorted_ids, slots = slot_map
     found = torch.searchsorted(sorted_ids[:-1], ids)
     owned = sorted_ids[found] == ids
@@ -70,6 +73,30 @@ def test_every_tables_ids_in_one_call_get_their_own_tables_slots_and_unseen_ones
         assert torch.equal(remap(torch.cat(ids), torch.tensor(lengths)), torch.cat(expected))
         grown = (remap.counts - before).tolist()
         assert grown == [[unseen[t] for t in COUNTED], [looked_up[t] for t in COUNTED]]
+
+
+def test_zch_tables_alike_drop_the_unseen_ids_of_the_zero_ones_alone():
+    """Every table ZCH with one max_probe (one FBGEMM call, no gather): a ``unseen: zero`` table's
+    unseen ids get slot -1, the other table's their first probe slot."""
+    tables = [
+        TableSpec(name="p", rows=64, dim=8, features=["fp"], ids="raw", remap={"kind": "zch", "max_probe": 4}),
+        TableSpec(name="q", rows=64, dim=8, features=["fq"], ids="raw",
+                  remap={"kind": "zch", "max_probe": 4, "unseen": "zero"}),
+    ]
+    generator = torch.Generator().manual_seed(2)
+    maps = {t.name: random_slot_map(t, generator) for t in tables}
+    remap = RawIdRemaps(tables)
+    remap.load(fused(dict(maps), ["p", "q"]))
+    assert remap.all_hashed_alike
+    owned = {name: m[0][m[0] != ZCH_EMPTY_SLOT][:5] for name, m in maps.items()}
+    unseen = torch.randint(-(2**63), MCH_FREE_SLOT, (5,), generator=generator)
+    ids = torch.cat([owned["p"], unseen, owned["q"], unseen])
+    slots = remap(ids, torch.tensor([10, 10]))
+    for name, got in zip(("p", "q"), slots.split(10)):
+        (identities,) = maps[name]
+        assert torch.equal(identities[got[:5]], owned[name]), name
+    assert (slots[5:10] >= 0).all() and torch.equal(slots[15:], torch.full((5,), -1))
+    assert remap.counts.tolist() == [[5, 5], [10, 10]]
 
 
 def test_the_served_maps_are_views_of_the_fused_tensors_and_maps_not_laid_end_to_end_are_refused():
