@@ -106,6 +106,12 @@ def compile_aoti(
     swap reaches all of them. ``slot_maps``: the raw-id tables' (views of the program's remap
     constants), which the file holds under their own names too (``slot_maps.slot_maps_in``)
     for the delta writers, stored once."""
+    state = {**program.state_dict, **program.constants}
+    held = {t.untyped_storage().data_ptr() for t in state.values() if type(t) in (torch.Tensor, nn.Parameter)}
+    foreign = sorted(t for t, parts in (slot_maps or {}).items() if any(
+        part.untyped_storage().data_ptr() not in held for part in parts))
+    if foreign:  # before a compile is spent on it
+        raise ValueError(f"{path}: the slot maps of tables {foreign} are not views of the program's constants")
     parameters = _parameter_constants(program)
     with quieter("torch.fx._symbolic_trace", warning_messages=_PYTREE_DEPRECATION), kept_as_constants(parameters):
         package = Path(
@@ -120,7 +126,6 @@ def compile_aoti(
                 },
             )
         )
-    state = {**program.state_dict, **program.constants}
     needed = torch._inductor.aoti_load_package(str(package)).get_constant_fqns()
     weights = {name: package_constant(state, name) for name in needed}
     missing = [name for name, tensor in weights.items() if tensor is None]
@@ -130,10 +135,7 @@ def compile_aoti(
     inlined = sorted(n for n in parameters - set(weights) if ".parametrizations." not in n)
     if inlined:
         raise RuntimeError(f"{package}: parameters compiled in as literals, out of reach of a dense swap: {inlined}")
-    stored = {tensor.untyped_storage().data_ptr() for tensor in weights.values() if tensor is not None}
     for table, parts in (slot_maps or {}).items():
-        if any(part.untyped_storage().data_ptr() not in stored for part in parts):
-            raise RuntimeError(f"{package}: table {table}'s slot map is not a view of the graph's constants")
         weights.update({f"slot_maps.{table}.{name}": part for name, part in zip(part_names(parts), parts)})
     torch.save(weights, aoti_weights_file(package))
     return package

@@ -54,10 +54,12 @@ class ManagedBags(nn.Module):
     trains on CPU; ZCH's modules are built for inference (FBGEMM's CPU kernel only looks up: a
     ZCH table's slots come from a checkpoint trained on GPU, its metadata dropped on load). Its
     state-dict names are those of TorchRec's ``McEmbeddingBagCollectionAdapter``, so a model
-    trained with that adapter loads as it is. A table with ``unseen: zero`` has its default row
-    (the last slot, where MCH maps unseen ids) held at zero: zeroed on load and before each
+    trained with that adapter loads as it is. An MCH table with ``unseen: zero`` has its default
+    row (the last slot, where MCH maps unseen ids) held at zero: zeroed on load and before each
     forward, so every forward reads it as zero and a quantized copy is exactly zero (an optimizer
-    step after the last forward may move it; loading the checkpoint zeroes it again)."""
+    step after the last forward may move it; loading the checkpoint zeroes it again). A ZCH table
+    with ``unseen: zero`` reserves no slot: in eval its unseen ids are left out of their bags
+    (``without_unseen``), as the served lookup leaves out their slot, -1."""
 
     def __init__(self, ebc: EmbeddingBagCollection, tables: Sequence[TableSpec], device: torch.device) -> None:
         super().__init__()

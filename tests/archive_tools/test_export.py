@@ -182,3 +182,12 @@ def test_torchao_int8_weights_compile_into_a_package(tiny_spec, tmp_path):
     batch = _batch(spec, eager, (4, 9), seed=2)
     with torch.inference_mode():
         torch.testing.assert_close(graph(batch), eager.model(batch), atol=1e-5, rtol=1e-4)
+
+
+def test_a_slot_map_that_is_no_view_of_the_programs_constants_is_refused_before_compiling(tmp_path):
+    """The weights file stores each raw-id table's slot map as a view of the remap's constants
+    (the storage once, what the graph reads); a map of its own would be saved apart from it."""
+    program = torch.export.export(torch.nn.Linear(4, 1).eval(), (torch.randn(3, 4),))
+    with pytest.raises(ValueError, match=r"slot maps of tables \['t_user'\] are not views"):
+        compile_aoti(program, tmp_path / "model_aoti.pt2", {"t_user": (torch.arange(4),)})
+    assert not (tmp_path / "model_aoti.pt2").exists()
