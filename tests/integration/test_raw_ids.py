@@ -161,10 +161,10 @@ def test_unseen_zero_looks_up_a_zero_row(trained, archives, tmp_path):
     with_unseen, empty = raw_request(spec, model, 31, items=2), raw_request(spec, model, 31, items=2)
     with_unseen["items"][0]["sparse"]["user_id"], empty["items"][0]["sparse"]["user_id"] = unseen, []
     served_zero, served_default = archive_service(archive), archive_service(archives["eager"])
-    assert first_score(served_zero, with_unseen) == pytest.approx(first_score(served_zero, empty), abs=1e-6)
-    assert first_score(served_default, with_unseen) != pytest.approx(first_score(served_default, empty), abs=1e-4)
+    assert _first_score(served_zero, with_unseen) == pytest.approx(_first_score(served_zero, empty), abs=1e-6)
+    assert _first_score(served_default, with_unseen) != pytest.approx(_first_score(served_default, empty), abs=1e-4)
     factory.load_checkpoint(float_zero, torch.load(checkpoint, weights_only=True))  # the trained model, held at zero
-    assert first_score(served_zero, with_unseen) == pytest.approx(
+    assert _first_score(served_zero, with_unseen) == pytest.approx(
         float(float_scores(float_zero, zero, with_unseen)[0]), abs=QUANTIZATION_TOLERANCE)
 
 
@@ -192,16 +192,16 @@ def test_zch_unseen_zero_leaves_unseen_ids_out_of_their_bags(trained, archives, 
     with_unseen["items"][0]["sparse"]["item_id"], owned_only["items"][0]["sparse"]["item_id"] = owned + unseen, owned
 
     served_zero, served_probe = archive_service(archive), archive_service(archives["eager"])
-    assert first_score(served_zero, with_unseen) == pytest.approx(first_score(served_zero, owned_only), abs=1e-6)
-    assert first_score(served_probe, with_unseen) != pytest.approx(first_score(served_probe, owned_only), abs=1e-4)
+    assert _first_score(served_zero, with_unseen) == pytest.approx(_first_score(served_zero, owned_only), abs=1e-6)
+    assert _first_score(served_probe, with_unseen) != pytest.approx(_first_score(served_probe, owned_only), abs=1e-4)
     reference = float(float_scores(float_zero, zero, with_unseen)[0])
     assert reference == pytest.approx(float(float_scores(float_zero, zero, owned_only)[0]), abs=1e-6)
-    assert first_score(served_zero, with_unseen) == pytest.approx(reference, abs=QUANTIZATION_TOLERANCE)
+    assert _first_score(served_zero, with_unseen) == pytest.approx(reference, abs=QUANTIZATION_TOLERANCE)
     counts = [s.handle([orjson.dumps(with_unseen)]).stats.unseen_ids["t_item"] for s in (served_zero, served_probe)]
     assert counts[0] == counts[1] >= len(unseen)
 
 
-def first_score(service, request: dict) -> float:
+def _first_score(service, request: dict) -> float:
     return orjson.loads(service.handle([orjson.dumps(request)]).responses[0].body)["scores"][0]
 
 
