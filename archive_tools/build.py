@@ -44,6 +44,7 @@ from archive_tools.pipeline import (
     verify_staged,
 )
 from archive_tools.precision import compare_dense_precisions, suggestion_lines
+from archive_tools.progress import StageBar
 from archive_tools.summary import spec_summary
 from archive_tools.verification import Bounds
 from handlers.loading import load_service
@@ -70,7 +71,7 @@ def build_archive(
     suggest one."""
     split = _checked_split(artifact, split, quantized_init and checkpoint is not None)
     started = time.perf_counter()
-    with tqdm(total=6, desc="archive", unit="stage", file=sys.stderr) as stages:
+    with StageBar(6, "archive") as stages:
         stages.set_postfix_str("spec")
         spec = load_spec(spec_path)
         name = name or spec.name

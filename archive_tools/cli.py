@@ -320,6 +320,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """An option's default after its help, where it has one and the help does not state it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _command(
     commands: argparse._SubParsersAction,
     name: str,
@@ -329,7 +338,7 @@ def _command(
 ) -> None:
     parser = commands.add_parser(
         name, help=help_text, description=help_text,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelp,
     )
     parser.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"

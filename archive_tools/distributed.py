@@ -38,6 +38,7 @@ from archive_tools.pipeline import (
     validation_data,
     verify_staged,
 )
+from archive_tools.progress import StageBar
 from archive_tools.verification import Bounds
 from handlers.loading import dense_host_model, load_service
 from handlers.modeling.eager import EagerModel
@@ -95,7 +96,7 @@ def build_distributed(
     _check_before_building(spec, spec_path, [shard_model_name(name, s) for s in spec.shards] + [dense_name],
                            model_store, archive_format)
     factory = DLRMFactory(spec)
-    with tqdm(total=6, desc="distributed archives", unit="stage", file=sys.stderr) as stages:
+    with StageBar(6, "distributed archives") as stages:
         weights, float_model = served_weights(factory, checkpoint, seed, quantized_init, stages)
         with tempfile.TemporaryDirectory(prefix=f"{name}-distributed-") as tmp:
             whole = Path(tmp) / DENSE_SUFFIX / "extra"  # the single-host staging; the dense part comes from it

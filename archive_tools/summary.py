@@ -6,7 +6,8 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.spec import ModelSpec
+from handlers.modeling.remap_spec import RemapKind
+from handlers.modeling.spec import ModelSpec, TableSpec
 
 
 def spec_summary(spec: ModelSpec, factory: DLRMFactory) -> list[str]:
@@ -25,6 +26,10 @@ def spec_summary(spec: ModelSpec, factory: DLRMFactory) -> list[str]:
             f"{_shown(table, 'weight_dtype'):<17}{_shown(table, 'pooling'):<15}"
             f"{human_size(table_bytes[table.name]):>11}"
         )
+    raw = [t for t in spec.tables if t.remap is not None]
+    if raw:  # their slot maps lie beside the tables: MCH 16 bytes a slot, ZCH 8
+        maps = sum(t.rows * (16 if t.remap.kind == RemapKind.MCH else 8) for t in raw)  # type: ignore[union-attr]
+        lines.append(f"  raw ids: {', '.join(_remap(t) for t in raw)}; slot maps {human_size(maps)} beside the tables")
     limits = spec.limits
     lines += [
         f"  out_of_range: {_shown(spec, 'out_of_range')}; dense precision: "
@@ -34,6 +39,14 @@ def spec_summary(spec: ModelSpec, factory: DLRMFactory) -> list[str]:
         f"{limits.max_items_per_forward} items per forward",
     ]
     return lines
+
+
+def _remap(table: TableSpec) -> str:
+    remap = table.remap
+    assert remap is not None
+    settings = (f"eviction {remap.eviction.value}" if remap.kind == RemapKind.MCH
+                else f"max_probe {remap.max_probe}, buckets {remap.buckets}")
+    return f"{table.name} {remap.kind.value} ({settings}, unseen {remap.unseen.value})"  # type: ignore[union-attr]
 
 
 def _shown(section: BaseModel, key: str) -> str:

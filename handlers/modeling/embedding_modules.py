@@ -82,7 +82,8 @@ class EmbeddingTables:
             index = [t.name for t in tables if t.ids != IdSpace.RAW]
             raise SpecError(
                 f"tables: {raw} (ids raw) and {index} (ids index) are asked for in one collection; managed "
-                "collisions remap every table of theirs: give them all ids raw, or ask for them apart"
+                "collisions remap every table of theirs: give them all ids raw (DLRM asks for all its tables "
+                "in one collection), or, in an architecture of your own, ask for the raw-id tables apart"
             )
         return ManagedBags(ebc, tables, self.device)
 

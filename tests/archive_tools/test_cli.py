@@ -143,6 +143,21 @@ def test_the_build_prints_every_tables_dtype_and_marks_defaults(tmp_path, capsys
     user = next(line for line in err.splitlines() if line.strip().startswith("t_user"))
     assert user.split()[:6] == ["t_user", "1,000", "8", "int8", "sum", "(default)"]
     assert "dense precision: fp32 (default)" in err
+    # no terminal: a line per stage, not a bar's redraws run into the printed lines
+    assert "archive: verify\n" in err and "stage/s" not in err
+
+
+def test_the_build_names_each_raw_id_tables_remap_and_its_slot_maps_bytes(tiny_spec, tmp_path, capsys):
+    tables = [
+        {"name": "t_user", "rows": 100, "dim": 8, "features": ["user_id"], "ids": "raw", "remap": {"kind": "mch"}},
+        {"name": "t_item", "rows": 64, "dim": 8, "features": ["item_id"], "ids": "raw",
+         "remap": {"kind": "zch", "max_probe": 16, "buckets": 2, "unseen": "zero"}},
+    ]
+    tiny_spec.replace(name="raw", tables=tables).to_yaml(tmp_path / "raw.yaml")
+    assert build(["--spec", str(tmp_path / "raw.yaml"), "--init", "quantized", "--model-store", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert ("raw ids: t_user mch (eviction lfu, unseen default_row), t_item zch (max_probe 16, buckets 2, "
+            "unseen zero); slot maps 2.1 KiB beside the tables") in err  # 100 x 16 + 64 x 8 bytes
 
 
 def test_the_build_help_shows_every_default(capsys):
@@ -151,6 +166,9 @@ def test_the_build_help_shows_every_default(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for default in ("(default: eager)", "(default: 32)", "(default: 5)", "(default: 0.02)", "(default: 0.001)"):
         assert default in out, default
+    # an option without a default, or whose help states its own, gets no second one
+    assert "(default: None)" not in out and "(default: the spec's name)" in out
+    assert "(default: the spec's name) (default:" not in out
 
 
 def test_a_bad_validation_file_is_exit_code_5_naming_the_line(tmp_path, capsys):
