@@ -8,11 +8,21 @@ import pytest
 import torch
 
 from handlers.modeling import tbe
+from handlers.modeling.embedding_modules import bag_configs
 from handlers.modeling.errors import CheckpointError
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.raw_ids import first_probe_slots, random_slot_map, served_remap, slot_owners, zch_insert
+from handlers.modeling.raw_ids import (
+    ManagedBags,
+    first_probe_slots,
+    random_slot_map,
+    served_remap,
+    slot_owners,
+    zch_insert,
+)
 from handlers.modeling.spec import TableSpec
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
+
+from torchrec import EmbeddingBagCollection, KeyedJaggedTensor  # isort: skip
 
 ROWS, BUCKETS, MAX_PROBE = 512, 4, 8
 
@@ -118,3 +128,32 @@ def _served(identities: torch.Tensor, max_probe: int, buckets: int):
     remap = served_remap(table)
     remap.load({"t": (identities,)})
     return remap
+
+
+def test_a_zero_zch_tables_unseen_ids_leave_their_bags_with_their_weights_in_the_float_model():
+    """``ManagedBags.without_unseen`` (the float side of ``unseen: zero``): in a weighted
+    collection, the unseen ids of a ZCH ``zero`` table (both its features) go with their weights
+    and their bags shrink; an MCH table's unseen ids stay (its default row takes them). (A
+    training, which keeps every id, cannot run here: FBGEMM's CPU ZCH kernel only looks up.)"""
+    tables = [
+        TableSpec(name="t_z", rows=64, dim=4, features=["fz", "fz2"], ids="raw",
+                  remap={"kind": "zch", "max_probe": MAX_PROBE, "unseen": "zero"}),
+        TableSpec(name="t_m", rows=16, dim=4, features=["fm"], ids="raw", remap={"kind": "mch"}),
+    ]
+    bags = ManagedBags(EmbeddingBagCollection(tables=bag_configs(tables), is_weighted=True), tables,
+                       torch.device("cpu")).eval()
+    _, remaps = tbe.managed_collision_parts(bags.mc_embedding_bag_collection)
+    owned = _ids(20, seed=7)
+    zch_insert(tbe.zch_identities(remaps["t_z"]), owned, MAX_PROBE, 1)
+    owned = owned[torch.isin(owned, tbe.zch_identities(remaps["t_z"]))]
+    unseen = _ids(4, seed=8)
+    # keys fz, fz2, fm; two items each: bags [o0 u0 o1] [u1] | [o2] [u2 o3] | [u3 u0] []
+    values = torch.stack([owned[0], unseen[0], owned[1], unseen[1], owned[2], unseen[2], owned[3], unseen[3], unseen[0]])
+    lengths = torch.tensor([3, 1, 1, 2, 2, 0])
+    weights = torch.arange(1.0, 10.0)
+    features = KeyedJaggedTensor(keys=["fz", "fz2", "fm"], values=values, lengths=lengths, weights=weights)
+    kept = bags.without_unseen(features)
+    assert kept.lengths().tolist() == [2, 0, 1, 1, 2, 0]
+    assert torch.equal(kept.values(), torch.stack([owned[0], owned[1], owned[2], owned[3], unseen[3], unseen[0]]))
+    assert kept.weights().tolist() == [1.0, 3.0, 5.0, 7.0, 8.0, 9.0]
+    torch.testing.assert_close(bags(features).values(), bags(kept).values())
