@@ -17,7 +17,8 @@ replaced by the raw id that owns it, so the models look up exactly the same rows
   median of repeats;
 * ``p50_overhead_pct`` (MCH) / ``p50_overhead_pct_zch``: one item per request at concurrency 1
   (``wrk``), the raw-id model's p50 against the row-id model's, each served alone by the same
-  server in turn, ``rounds`` times (the medians of the rounds); ``p50_ms_row_ids``,
+  server in turn, ``rounds`` times, every other round in the reverse order (the medians of the
+  rounds); ``p50_ms_row_ids``,
   ``p50_ms_raw_ids``, ``p50_ms_zch_ids`` and each point's client;
 * ``unseen_counted``, ``unseen_true`` (MCH; ``_zch``: ZCH): the unseen ids the server published
   (``HandlerUnseenIds``, all tables) over requests sent once each, against those put in them;
@@ -83,7 +84,7 @@ class RawIdsScenario:
 
 
 RAW_IDS_SCENARIOS = {
-    "raw_ids": RawIdsScenario("raw_ids", MODELS / "criteo_1tb.yaml", seconds=8.0, rounds=5, counted_requests=2000),
+    "raw_ids": RawIdsScenario("raw_ids", MODELS / "criteo_1tb.yaml", seconds=8.0, rounds=7, counted_requests=2000),
     "raw_ids-smoke": RawIdsScenario(
         "raw_ids-smoke", MODELS / "tiny.yaml", seconds=0.5, rounds=1, counted_requests=50, artifact="eager",
         probe_table="t_user", probe_publishes=2, swap_tables=("t_user",), swap_evictions=100, parallel_builds=3,
@@ -248,15 +249,17 @@ def remap_us(table: TableSpec, slot_map: SlotMap, seed: int, ids: int = 4096, re
 
 
 def _served(server: LocalTorchServe, traffic: dict[str, Traffic], counted: tuple[str, ...], scenario: RawIdsScenario) -> dict:
-    """c=1 p50 of each model served alone (registered, measured, unregistered, in turn; the
-    ``counted`` models' last registrations are kept, for the torn-pair probes), and the unseen
-    ids each of them published over requests sent once each."""
+    """c=1 p50 of each model served alone: registered, measured and unregistered in turn, in
+    the order of ``traffic`` in even rounds and the reverse in odd ones (no model always follows
+    the same one); the unseen ids each ``counted`` model published over requests sent once each
+    (first round); then the ``counted`` models registered again, for the torn-pair probes."""
     p50s: dict[str, list[float]] = {model: [] for model in traffic}
     clients: dict[str, dict] = {}
     unseen_counted = {}
     auth = server.auth("inference")
     for round_ in range(scenario.rounds):
-        for model, bodies in traffic.items():
+        for model in list(traffic) if round_ % 2 == 0 else list(traffic)[::-1]:
+            bodies = traffic[model]
             server.register(model, batch_size=1, initial_workers=1).raise_for_status()
             url = f"{server.inference_url}/predictions/{model}"
             run_wrk(url, auth, bodies, 1, scenario.seconds)  # warm-up: the tables' pages mapped in
@@ -268,8 +271,9 @@ def _served(server: LocalTorchServe, traffic: dict[str, Traffic], counted: tuple
                 for body in bodies.bodies[: scenario.counted_requests]:
                     server.predict(model, body).raise_for_status()
                 unseen_counted[model] = _unseen_published(server, model) - before
-            if not (model in counted and round_ == scenario.rounds - 1):
-                server.management("DELETE", f"/models/{model}").raise_for_status()
+            server.management("DELETE", f"/models/{model}").raise_for_status()
+    for model in counted:
+        server.register(model, batch_size=1, initial_workers=1).raise_for_status()
     return {
         "p50_ms": {model: statistics.median(points) for model, points in p50s.items()},
         "p50_ms_rounds": p50s,
