@@ -8,6 +8,9 @@ from pydantic import BaseModel
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.remap_spec import RemapKind
 from handlers.modeling.spec import ModelSpec, TableSpec
+from handlers.runtime.slot_maps import HASHED_PARTS, SORTED_PARTS
+
+_PARTS = {RemapKind.MCH: SORTED_PARTS, RemapKind.ZCH: HASHED_PARTS}  # a raw-id table's slot map tensors
 
 
 def spec_summary(spec: ModelSpec, factory: DLRMFactory) -> list[str]:
@@ -27,8 +30,8 @@ def spec_summary(spec: ModelSpec, factory: DLRMFactory) -> list[str]:
             f"{human_size(table_bytes[table.name]):>11}"
         )
     raw = [t for t in spec.tables if t.remap is not None]
-    if raw:  # their slot maps lie beside the tables: MCH 16 bytes a slot, ZCH 8
-        maps = sum(t.rows * (16 if t.remap.kind == RemapKind.MCH else 8) for t in raw)  # type: ignore[union-attr]
+    if raw:  # their slot maps lie beside the tables: an int64 a slot per part (MCH 2, ZCH 1)
+        maps = sum(t.rows * 8 * len(_PARTS[t.remap.kind]) for t in raw)  # type: ignore[union-attr]
         lines.append(f"  raw ids: {', '.join(_remap(t) for t in raw)}; slot maps {human_size(maps)} beside the tables")
     limits = spec.limits
     lines += [
