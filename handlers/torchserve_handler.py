@@ -73,7 +73,7 @@ class DLRMHandler:
         if isinstance(freshness, WorkerFreshness):
             freshness.start(self.service.model)  # the model's delta log replayed before the first request
             self.service.model = LockedRunner(self.service.model, freshness.lock)
-        self.metrics = MetricsPublisher(options.metrics_flush_s)
+        self.metrics = MetricsPublisher(options.metrics_flush_s, self.service.unseen_ids)
         quiet_per_batch_lines()
         unbuffered = read_frames_buffered()
         if unbuffered is not None:

@@ -39,13 +39,17 @@ from typing import Any
 from ts.metrics.dimension import Dimension
 
 from handlers.runtime.service import BatchStats
+from handlers.runtime.unseen_ids import UnseenIdCounter
 
 
 class MetricsPublisher:
-    """Sums batches' stats and publishes them as counter increments, at most every ``flush_s``."""
+    """Sums batches' stats and publishes them as counter increments, at most every ``flush_s``.
+    ``raw_ids``: a raw-id model's in-graph counts, read when publishing (they add up in the graph
+    whatever the batches: reading them per batch cost more than a row lookup's share of it)."""
 
-    def __init__(self, flush_s: float) -> None:
+    def __init__(self, flush_s: float, raw_ids: UnseenIdCounter | None = None) -> None:
         self.flush_s = flush_s
+        self.raw_ids = raw_ids
         self._pending: collections.Counter[tuple[str, tuple[tuple[str, str], ...]]] = collections.Counter()
         self._last_flush = time.monotonic()
 
@@ -66,16 +70,18 @@ class MetricsPublisher:
             pending[("HandlerRejectedRequests", (("Reason", reason),))] += count
         if stats.hashed_ids:
             pending[("HandlerHashedIds", ())] += stats.hashed_ids
-        for name, counts in (("HandlerPrunedIds", stats.pruned_ids), ("HandlerUnseenIds", stats.unseen_ids),
-                             ("HandlerRawIds", stats.raw_ids)):
-            for table, count in counts.items():
-                pending[(name, (("Table", table),))] += count
+        for table, count in stats.pruned_ids.items():
+            pending[("HandlerPrunedIds", (("Table", table),))] += count
         if time.monotonic() - self._last_flush >= self.flush_s:
             self.flush(context)
 
     def flush(self, context: Any) -> None:
         """Publishes what has been summed since the last flush."""
         self._last_flush = time.monotonic()
+        if self.raw_ids is not None:
+            for name, counts in zip(("HandlerUnseenIds", "HandlerRawIds"), self.raw_ids.since_last()):
+                for table, count in counts.items():
+                    self._pending[(name, (("Table", table),))] += count
         base = [Dimension("ModelName", context.model_name), Dimension("Level", "Model")]
         for (name, labels), value in self._pending.items():
             dimensions = base + [Dimension(key, label) for key, label in labels]

@@ -34,17 +34,15 @@ STAGES = ("decode", "coalesce", "forward", "encode")
 @dataclasses.dataclass(frozen=True)
 class BatchStats:
     """One batch: milliseconds spent in each of ``STAGES``, the items of each forward, the
-    requests refused by ``BadRequest`` reason, the ids the out-of-range policy hashed, per
-    pruned table the ids that looked up a zero row, and per raw-id table the ids the model has
-    not seen (they own no slot) and all its ids."""
+    requests refused by ``BadRequest`` reason, the ids the out-of-range policy hashed, and per
+    pruned table the ids that looked up a zero row. (A raw-id model counts its unseen ids in the
+    graph: ``ScoringService.unseen_ids``.)"""
 
     stage_ms: dict[str, float]
     forward_items: list[int]
     rejected: dict[str, int]
     hashed_ids: int
     pruned_ids: dict[str, int] = dataclasses.field(default_factory=dict)
-    unseen_ids: dict[str, int] = dataclasses.field(default_factory=dict)
-    raw_ids: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +77,8 @@ class ScoringService:
     ``model_name``, ``model_version``: what answers carry where the protocol names the model; ``threads_for``:
     the intra-op threads for a forward of so many items (None: leave torch's setting alone);
     ``pruned_ids``: counts the ids of pruned tables that have no row (a pruned model's).
-    ``unseen_ids``: counts the ids of raw-id tables that own no slot (a raw-id model's).
+    ``unseen_ids``: counts the ids of raw-id tables that own no slot (a raw-id model's), read
+    by whoever publishes them (``unseen_ids.since_last()``), not per batch.
     """
 
     def __init__(
@@ -139,15 +138,12 @@ class ScoringService:
                 scores = split_outputs(torch.sigmoid(output), counts) if self._scores else [None] * len(counts)
                 for index, encoder, request_logits, request_scores in zip(positions, encoders, logits, scores):
                     responses[index] = encoder.answer(request_logits, request_scores)
-        unseen, raw = self.unseen_ids.since_last() if self.unseen_ids is not None else ({}, {})
         stats = BatchStats(
             stage_ms=watch.ms,
             forward_items=forward_items,
             rejected=dict(rejected),
             hashed_ids=sum(p.hashed_ids for p in parts),
             pruned_ids=dict(pruned),
-            unseen_ids=dict(unseen),
-            raw_ids=dict(raw),
         )
         return HandledBatch(responses, stats)  # type: ignore[arg-type]  # every index answered
 

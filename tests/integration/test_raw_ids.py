@@ -107,18 +107,19 @@ def test_every_artifact_kind_remaps_and_counts_unseen_ids_as_eager(trained, arch
     spec, _, model, _ = trained
     services = {kind: archive_service(path) for kind, path in archives.items()}
     requests = [orjson.dumps(raw_request(spec, model, seed, items)) for seed, items in ((5, 1), (6, 9), (7, 40))]
-    eager = services.pop("eager").handle(requests)
-    expected = [orjson.loads(r.body)["scores"] for r in eager.responses]
-    assert all(eager.stats.unseen_ids.values()) and eager.stats.raw_ids.keys() == set(ROWS)
+    eager_service = services.pop("eager")
+    expected = [orjson.loads(r.body)["scores"] for r in eager_service.handle(requests).responses]
+    unseen, raw = eager_service.unseen_ids.since_last()
+    assert all(unseen.values()) and raw.keys() == set(ROWS)
     for kind, service in services.items():
-        handled = service.handle(requests)
-        for got, want in zip(handled.responses, expected):
+        for got, want in zip(service.handle(requests).responses, expected):
             assert orjson.loads(got.body)["scores"] == pytest.approx(want, abs=1e-6), kind
-        assert (handled.stats.unseen_ids, handled.stats.raw_ids) == (eager.stats.unseen_ids, eager.stats.raw_ids), kind
+        assert service.unseen_ids.since_last() == (unseen, raw), kind
         empty = raw_request(spec, model, 8, items=2)
         for item in empty["items"]:
             item["sparse"] = {}  # no id at all: the service pads the forward with one, not counted
-        assert set(service.handle([orjson.dumps(empty)]).stats.raw_ids.values()) == {0}, kind
+        service.handle([orjson.dumps(empty)])
+        assert set(service.unseen_ids.since_last()[1].values()) == {0}, kind
 
 
 def test_unseen_ids_are_counted_on_after_a_dense_swap(trained, archives):
@@ -127,10 +128,10 @@ def test_unseen_ids_are_counted_on_after_a_dense_swap(trained, archives):
     request = [orjson.dumps(raw_request(spec, model, 13))]
     for kind in ("eager", "aoti"):
         service = archive_service(archives[kind])
-        counted = service.handle(request).stats.unseen_ids
+        counted = _unseen_after(service, request)
         assert all(counted.values()), kind
         dense_slot(service.model).swap_dense(None)
-        assert service.handle(request).stats.unseen_ids == counted, kind
+        assert _unseen_after(service, request) == counted, kind
 
 
 def test_unseen_zero_looks_up_a_zero_row(trained, archives, tmp_path):
@@ -197,8 +198,15 @@ def test_zch_unseen_zero_leaves_unseen_ids_out_of_their_bags(trained, archives, 
     reference = float(float_scores(float_zero, zero, with_unseen)[0])
     assert reference == pytest.approx(float(float_scores(float_zero, zero, owned_only)[0]), abs=1e-6)
     assert _first_score(served_zero, with_unseen) == pytest.approx(reference, abs=QUANTIZATION_TOLERANCE)
-    counts = [s.handle([orjson.dumps(with_unseen)]).stats.unseen_ids["t_item"] for s in (served_zero, served_probe)]
+    counts = [_unseen_after(s, [orjson.dumps(with_unseen)])["t_item"] for s in (served_zero, served_probe)]
     assert counts[0] == counts[1] >= len(unseen)
+
+
+def _unseen_after(service, payloads: list[bytes]) -> dict[str, int]:
+    """Per raw-id table, the unseen ids of one batch of ``payloads``."""
+    service.unseen_ids.since_last()
+    service.handle(payloads)
+    return service.unseen_ids.since_last()[0]
 
 
 def _first_score(service, request: dict) -> float:
