@@ -29,6 +29,7 @@ from handlers.modeling import tbe
 from handlers.modeling.eager import PlainInputs
 from handlers.runtime.archive_files import aoti_weights_file
 from handlers.runtime.batching import Batch, plain_arguments
+from handlers.runtime.fences import is_fences
 from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds, is_slot_map
 from handlers.runtime.quiet import quieter
 from handlers.runtime.slot_maps import SlotMap, part_names
@@ -126,13 +127,14 @@ def compile_aoti(
                 },
             )
         )
-    needed = torch._inductor.aoti_load_package(str(package)).get_constant_fqns()
-    weights = {name: package_constant(state, name) for name in needed}
+    constants = set(torch._inductor.aoti_load_package(str(package)).get_constant_fqns())
+    # but a raw-id remap's fences, which a worker makes from its sorted ids (fences.derived_constants)
+    weights = {name: package_constant(state, name) for name in constants if not is_fences(name)}
     missing = [name for name, tensor in weights.items() if tensor is None]
     if missing:
         raise RuntimeError(f"{package}: needs weights that the exported program lacks: {missing}")
     # A tensor subclass may leave an inner tensor unread (TorchAO's symmetric zero points).
-    inlined = sorted(n for n in parameters - set(weights) if ".parametrizations." not in n)
+    inlined = sorted(n for n in parameters - constants if ".parametrizations." not in n)
     if inlined:
         raise RuntimeError(f"{package}: parameters compiled in as literals, out of reach of a dense swap: {inlined}")
     for table, parts in (slot_maps or {}).items():

@@ -7,9 +7,11 @@ Criteo-shaped model) cost more at one item than the searches themselves. So a ki
 end to end (``slot_maps.fused``), each table a range of them:
 
 * MCH: ``sorted_ids`` / ``slots``, each table's owners sorted and the slot of each. A binary search
-  bounded by each id's table range, as many halving steps as the largest table needs, finds the
-  first owner not below the id (``torch.searchsorted`` on that table); an id that owns no slot gets
-  its table's last slot, the default row.
+  bounded by each id's table range finds the first owner not below the id (``torch.searchsorted``
+  on that table); an id that owns no slot gets its table's last slot, the default row. The search
+  runs on the table's fences first (``handlers.runtime.fences``: every 256th owner, a few pages),
+  then within the one block of 256 owners they name: two short searches touch a few pages where
+  one over a 10M-slot table touches one a step, each a miss in memory.
 * ZCH: ``identities``, row-aligned. FBGEMM's probing (``tbe.zch_slots``) within each id's bucket,
   given as that table's range of the whole: an id that owns no slot gets its first probe slot, or,
   in a table with ``unseen: zero``, slot -1, which FBGEMM's lookup leaves out of the bag.
@@ -29,6 +31,7 @@ from torch import nn
 from handlers.modeling import tbe
 from handlers.modeling.remap_spec import RemapKind, RemapSpec
 from handlers.modeling.spec import TableSpec
+from handlers.runtime.fences import FENCE_STRIDE, fences_of
 from handlers.runtime.slot_maps import HASHED_PARTS, SORTED_PARTS, SlotMap, spanned
 
 
@@ -52,13 +55,19 @@ class RawIdRemaps(nn.Module):
         mch = [t.name in self.sorted_tables for t in table_of]
         columns = [counted.index(t.name) for t in table_of]
         per_feature: dict[str, list] = {"column": [[int(c == k) for k in range(len(counted))] for c in columns]}
+        fences: dict[str, tuple[int, int]] = {}  # MCH table -> its first fence entry, and how many
         if sorted_kind:
             # placeholders until ``load`` (empty: a 1TB model's would take GBs while its maps are laid out)
             self.register_buffer("sorted_ids", torch.empty(sum(t.rows for t in sorted_kind), dtype=torch.int64))
             self.register_buffer("slots", torch.empty(sum(t.rows for t in sorted_kind), dtype=torch.int64))
+            # derived from sorted_ids at load, each worker's own
+            self.register_buffer("fences", fences_of(self.sorted_ids[:0]), persistent=False)
             per_feature["search_from"] = [self.ranges[t.name][0] if m else 0 for t, m in zip(table_of, mch)]
             per_feature["search_span"] = [t.rows - 1 if m else 0 for t, m in zip(table_of, mch)]
             per_feature["default_slot"] = [t.rows - 1 for t in table_of]
+            fences = {t.name: _fence_range(*self.ranges[t.name]) for t in sorted_kind}
+            per_feature["fence_from"] = [fences[t.name][0] if m else 0 for t, m in zip(table_of, mch)]
+            per_feature["fence_span"] = [fences[t.name][1] if m else 0 for t, m in zip(table_of, mch)]
         if hashed:
             self.register_buffer("identities", torch.empty(sum(t.rows for t in hashed), dtype=torch.int64))
             per_feature["probe_from"] = [0 if m else self.ranges[t.name][0] for t, m in zip(table_of, mch)]
@@ -70,6 +79,7 @@ class RawIdRemaps(nn.Module):
         if self.dropping_unseen:
             per_feature["drops_unseen"] = [t.remap.drops_unseen for t in table_of]  # type: ignore[union-attr]
         self.halvings = max((t.rows - 1).bit_length() for t in sorted_kind) if sorted_kind else 0
+        self.fence_halvings = max((span.bit_length() for _, span in fences.values()), default=0)
         # one FBGEMM call per distinct max_probe, over the ids of its tables
         probes = [0 if m else _zch(t).max_probe for t, m in zip(table_of, mch)]
         self.max_probes = sorted(set(probes) - {0})
@@ -103,6 +113,8 @@ class RawIdRemaps(nn.Module):
                 if tensor.dtype != torch.int64:
                     raise ValueError(f"slot maps' {name} must be int64 for tables {names}, got {tensor.dtype}")
                 setattr(self, name, tensor)
+            if parts == SORTED_PARTS:
+                self.fences = fences_of(self.sorted_ids)
 
     def table_maps(self) -> dict[str, SlotMap]:
         """Each table's slot map: views of the served tensors."""
@@ -132,20 +144,31 @@ class RawIdRemaps(nn.Module):
         return self(ids, lengths)
 
     def _sorted(self, ids: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """MCH: the first position of each id's table range whose owner is not below it, found by
-        halving the range; the slot there if that owner is the id, else the default slot."""
-        low = self.search_from[feature]
-        high = low + self.search_span[feature]
-        for _ in range(self.halvings):
-            active = low < high
-            middle = (low + high) >> 1
-            above = active & (self.sorted_ids[middle] < ids)
-            low = torch.where(above, middle + 1, low)
-            high = torch.where(active & ~above, middle, high)
+        """MCH: the first position of each id's range (``search_range``) whose owner is not below
+        it, found by halving; the slot there if that owner is the id, else the default slot."""
+        low, high = self.search_range(ids, feature)
+        low = _first_not_below(self.sorted_ids, ids, low, high, self.halvings)
         owned = self.sorted_ids[low] == ids
         if self.hashed_tables:
             owned &= ~self.is_hashed[feature]
         return torch.where(owned, self.slots[low], self.default_slot[feature]), owned
+
+    def search_range(self, ids: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MCH ids int64 [V] of ``feature`` int64 [V] -> where to search each, [low, high]: the
+        block its table's fences name (at most ``FENCE_STRIDE`` positions), where the owners
+        around it confirm that it holds the id's place; else (a delta moved the owners since the
+        fences were made) the whole table."""
+        first = self.search_from[feature]
+        last = first + self.search_span[feature]
+        fence_from = self.fence_from[feature]
+        fence = _first_not_below(self.fences, ids, fence_from, fence_from + self.fence_span[feature], self.fence_halvings)
+        # between the fence entry below the id and the first not below it
+        low = torch.maximum(first, (fence - 1) * FENCE_STRIDE + 1)
+        high = torch.minimum(last, fence * FENCE_STRIDE)
+        holds = ((low == first) | (self.sorted_ids[torch.clamp(low - 1, min=0)] < ids)) & (
+            (high == last) | (self.sorted_ids[high] >= ids)
+        )
+        return torch.where(holds, low, first), torch.where(holds, high, last)
 
     def _hashed(
         self, ids: torch.Tensor, feature: torch.Tensor, group: int, max_probe: int, slots: torch.Tensor,
@@ -165,6 +188,28 @@ class RawIdRemaps(nn.Module):
         if at is None:
             return local, hit
         return slots.index_put((at,), local), owned.index_put((at,), hit)
+
+
+def _first_not_below(
+    values: torch.Tensor, ids: torch.Tensor, low: torch.Tensor, high: torch.Tensor, halvings: int
+) -> torch.Tensor:
+    """Per id, the first position in ``[low, high)`` whose value (sorted within it) is not below
+    the id, or ``high``: ``halvings`` halving steps, enough for the widest range; an id whose
+    range is settled reads the same value again (cached)."""
+    for _ in range(halvings):
+        active = low < high
+        middle = (low + high) >> 1
+        above = active & (values[middle] < ids)
+        low = torch.where(above, middle + 1, low)
+        high = torch.where(active & ~above, middle, high)
+    return low
+
+
+def _fence_range(start: int, rows: int) -> tuple[int, int]:
+    """A table's first fence entry and how many there are within its search range (its first
+    slot to its last but one): positions ``start`` to ``start + rows - 2``."""
+    first = -(-start // FENCE_STRIDE)
+    return first, -(-(start + rows - 1) // FENCE_STRIDE) - first
 
 
 def _zch(table: TableSpec) -> RemapSpec:

@@ -15,9 +15,8 @@ import contextlib
 from typing import Iterator
 
 import torch
-from torch import nn
 
-from handlers.runtime.artifacts import CompiledPackage, Runner
+from handlers.runtime.artifacts import Runner, served_tensors
 from handlers.runtime.inputs import RAW_ID_COUNTER, InputSchema
 
 
@@ -36,7 +35,7 @@ class UnseenIdCounter:
         tables = sorted({f.raw_id_table for f in features if f.raw_id_table is not None})
         if not tables:
             return None
-        counts = [tensor for name, tensor in _named_tensors(runner) if RAW_ID_COUNTER.search(name)]
+        counts = [tensor for name, tensor in served_tensors(runner) if RAW_ID_COUNTER.search(name)]
         if not counts or any(c.shape != (2, len(tables)) for c in counts):
             raise ValueError(f"raw-id tables {tables}: the loaded model does not count their ids in "
                              f"raw_id_remaps.counts [2, {len(tables)}] (found {[list(c.shape) for c in counts]}): "
@@ -62,15 +61,3 @@ class UnseenIdCounter:
         unseen, lookups = ([a - b for a, b in zip(*rows)] for rows in zip(now, self._last))
         self._last = now
         return dict(zip(self.tables, unseen)), dict(zip(self.tables, lookups))
-
-
-def _named_tensors(runner: Runner) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors a loaded model holds, by name: a split model's lookups', a graph's constants
-    or buffers, an eager model's buffers."""
-    part = getattr(runner, "sparse", runner)
-    run = getattr(part, "run", None)
-    if isinstance(run, CompiledPackage):
-        yield from run.active.items()
-    module = run if isinstance(run, nn.Module) else getattr(part, "module", None)
-    if isinstance(module, nn.Module):
-        yield from module.named_buffers()

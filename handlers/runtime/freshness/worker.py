@@ -38,8 +38,10 @@ import torch
 
 from handlers.runtime.archive import Archive, tables_file_name
 from handlers.runtime.archive_files import LOG_POINTER, TABLES
+from handlers.runtime.artifacts import served_tensors
 from handlers.runtime.batching import Batch
 from handlers.runtime.errors import Conflict
+from handlers.runtime.fences import is_fences, refresh_fences
 from handlers.runtime.freshness.applier import AppliedState, Pace, RowLock, TableWriter
 from handlers.runtime.freshness.background import in_background, lower_this_thread
 from handlers.runtime.freshness.config import FreshnessConfig
@@ -109,6 +111,8 @@ class WorkerFreshness:
         self.dense: DenseFollower | str = "the model is not loaded yet"  # or why it cannot swap dense weights
         self.tables_pinned: bool | None = None  # this process's mappings of the copy all mapped, locked
         self.error: str | None = None
+        self.runner: object = None  # the model served, once loaded
+        self._fenced_at: float | None = None  # the applied state's time when its MCH fences were last made
 
     @classmethod
     def open(
@@ -164,6 +168,8 @@ class WorkerFreshness:
         then follows the log."""
         slot = dense_slot(runner)
         self.dense = slot if isinstance(slot, str) else DenseFollower(slot, self.layout, self.folder)
+        if any(is_fences(name) for name, _ in served_tensors(runner)):  # type: ignore[arg-type]
+            self.runner = runner
         self._start(self._answer_calls, "freshness-calls")  # the plugin's calls, answered from now on
         in_background(self._prepare, "freshness-replay")  # while an older version may serve
         self._note_worker()
@@ -198,6 +204,7 @@ class WorkerFreshness:
             self.error = str(e)
         if log is not None:
             self._sync_dense(log)
+        self._sync_fences()
 
     def _pin_tables(self, writer: TableWriter) -> None:
         started = time.perf_counter()
@@ -232,6 +239,7 @@ class WorkerFreshness:
             try:
                 self.follower.catch_up(log, self.pace)  # type: ignore[union-attr]  # made before this thread
                 self._sync_dense(log)
+                self._sync_fences()
                 self.error = None
             except Exception as e:  # a bad log entry must not stop the worker serving
                 if self.error != str(e):
@@ -243,6 +251,17 @@ class WorkerFreshness:
     def _sync_dense(self, log: Path) -> None:
         if isinstance(self.dense, DenseFollower) and self.dense.sync(log):
             self._note_worker()
+
+    def _sync_fences(self) -> None:
+        """The MCH remaps' fences made again from the sorted ids once the tables have changed
+        since they were made (a delta applied, in part or whole, or undone): until then an id
+        whose owners moved is searched over its whole table (``handlers.runtime.fences``)."""
+        if self.runner is None:
+            return
+        changed_at = AppliedState.read(self.folder).updated_at
+        if changed_at != self._fenced_at:
+            refresh_fences(served_tensors(self.runner))  # type: ignore[arg-type]
+            self._fenced_at = changed_at
 
     # -- the plugin's calls ----------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """The served remap of a raw-id collection (``RawIdRemaps``): every table's ids in one call give
 the slots each table's own search gives (``torch.searchsorted`` on an MCH table's sorted owners,
-FBGEMM's probing of a ZCH table alone), and the ids it counts unseen are those that own no slot."""
+FBGEMM's probing of a ZCH table alone), and the ids it counts unseen are those that own no slot;
+MCH fences made before a delta moved the owners change none of it."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import torch
 from handlers.modeling.raw_ids import random_slot_map, zch_lookup
 from handlers.modeling.remaps import RawIdRemaps
 from handlers.modeling.spec import TableSpec
+from handlers.runtime.fences import FENCE_STRIDE, refresh_fences
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
-from handlers.runtime.slot_maps import fused, slot_map, spanned
+from handlers.runtime.slot_maps import fused, owners_of, slot_map, spanned, with_owners
 
 # both kinds, two ZCH probe lengths, buckets, a table of two features, tables of one and two slots,
-# both kinds with unseen: zero (MCH: its default slot, the row held at zero; ZCH: no slot, -1)
+# both kinds with unseen: zero (MCH: its default slot, the row held at zero; ZCH: no slot, -1), MCH
+# tables of several fence blocks (256 owners each), one starting within a block (at 1010)
 TABLES = [
     TableSpec(name="a", rows=1000, dim=8, features=["fa"], ids="raw", remap={"kind": "mch"}),
     TableSpec(name="z", rows=512, dim=8, features=["fz", "fz2"], ids="raw",
@@ -24,8 +27,9 @@ TABLES = [
               remap={"kind": "zch", "max_probe": 8, "unseen": "zero"}),
     TableSpec(name="c", rows=1, dim=8, features=["fc"], ids="raw", remap={"kind": "mch"}),
     TableSpec(name="d", rows=2, dim=8, features=["fd"], ids="raw", remap={"kind": "mch"}),
+    TableSpec(name="e", rows=1500, dim=8, features=["fe"], ids="raw", remap={"kind": "mch"}),
 ]
-COUNTED = ["a", "b", "c", "d", "other", "y", "z"]  # the model's raw-id tables: one is another collection's
+COUNTED = ["a", "b", "c", "d", "e", "other", "y", "z"]  # the model's raw-id tables: one is another collection's
 
 
 def _table_search(table: TableSpec, slot_map, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,17 +107,50 @@ def test_the_served_maps_are_views_of_the_fused_tensors_and_maps_not_laid_end_to
     generator = torch.Generator().manual_seed(1)
     maps = {t.name: random_slot_map(t, generator) for t in TABLES}
     laid = fused(dict(maps), [t.name for t in TABLES])
-    sorted_ids, slots = spanned([laid["a"], laid["b"], laid["c"], laid["d"]])
-    assert sorted_ids.numel() == 1000 + 7 + 1 + 2 and sorted_ids.data_ptr() == laid["a"][0].data_ptr()
+    sorted_ids, slots = spanned([laid["a"], laid["b"], laid["c"], laid["d"], laid["e"]])
+    assert sorted_ids.numel() == 1000 + 7 + 1 + 2 + 1500 and sorted_ids.data_ptr() == laid["a"][0].data_ptr()
     remap = RawIdRemaps(TABLES)
     remap.load(laid)
     served = remap.table_maps()
     assert all(torch.equal(a, b) for t in maps for a, b in zip(served[t], maps[t]))
     served["b"][0][0] = -5  # a delta's write through a table's view reaches the served tensor
     assert int(remap.sorted_ids[1000]) == -5
-    with pytest.raises(ValueError, match=r"the slot maps of tables \['a', 'b', 'c', 'd'\] do not lie end to end"):
+    with pytest.raises(ValueError, match=r"the slot maps of tables \['a', 'b', 'c', 'd', 'e'\] do not lie end to end"):
         RawIdRemaps(TABLES).load(maps)
     split_wrong = fused({**maps, "a": tuple(p[:999] for p in maps["a"]), "b": tuple(torch.cat([p, p[:1]]) for p in maps["b"])},
                         [t.name for t in TABLES])  # the right total, the wrong tables' sizes
     with pytest.raises(ValueError, match=r"table a's slot map must be int64 \[1000\] a part, got \[\[999\], \[999\]\]"):
         RawIdRemaps(TABLES).load(split_wrong)
+
+
+def test_fences_made_before_a_delta_moved_the_owners_leave_every_slot_right_until_made_again():
+    """Evictions and insertions shift an MCH table's sorted ids in place (as a delta writes them)
+    while the remap's fences still name the old blocks: every id gets the slot the new map gives,
+    owned or not; ``refresh_fences`` makes them name the new blocks, with the same answers."""
+    tables = [t for t in TABLES if t.name in ("a", "e")]
+    generator = torch.Generator().manual_seed(3)
+    remap = RawIdRemaps(tables)
+    remap.load(fused({t.name: random_slot_map(t, generator) for t in tables}, ["a", "e"]))
+    holder = torch.nn.Module()
+    holder.raw_id_remaps = remap  # as a served model holds it
+    for table, moved in (("a", 60), ("e", 400)):  # e's every block shifts
+        served = remap.table_maps()[table]
+        slots = torch.randperm(len(served[0]) - 1, generator=generator)[:moved]
+        owners = torch.randint(-(2**63), MCH_FREE_SLOT, (moved,), generator=generator)
+        for part, new in zip(served, with_owners(owners_of(served), slots, owners, hashed=False)):
+            part.copy_(new)
+    stale = remap.fences[:-1] != remap.sorted_ids[::FENCE_STRIDE]
+    assert 0 < int(stale.sum()) < len(stale)  # some blocks still hold the ids the fences name, some not
+    maps = remap.table_maps()
+    lengths, ids, expected = [], [], []
+    for table in tables:
+        owned = maps[table.name][0][:-1]
+        drawn = torch.cat([owned, torch.randint(-(2**63), MCH_FREE_SLOT, (500,), generator=generator)])
+        ids.append(drawn), lengths.append(len(drawn)), expected.append(_table_search(table, maps[table.name], drawn)[0])
+    feature = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(lengths))
+    for refreshed in (False, True):
+        assert torch.equal(remap(torch.cat(ids), torch.tensor(lengths)), torch.cat(expected)), refreshed
+        low, high = remap.search_range(torch.cat(ids), feature)
+        assert bool((high - low <= FENCE_STRIDE).all()) == refreshed  # stale: some searched whole
+        assert refresh_fences(holder.named_buffers()) == 1
+    assert torch.equal(remap.fences[:-1], remap.sorted_ids[::FENCE_STRIDE])

@@ -12,7 +12,10 @@ import orjson
 import pytest
 import torch
 
+from handlers.modeling.raw_ids import random_slot_map, served_remap
+from handlers.modeling.spec import TableSpec
 from handlers.runtime.archive_files import LOG_POINTER
+from handlers.runtime.fences import FENCE_STRIDE
 from handlers.runtime.freshness.applier import AppliedState, Pace, TableWriter
 from handlers.runtime.freshness.follower import LogFollower
 from handlers.runtime.freshness.log import ROLLBACK_MARK, mark_rollback
@@ -196,3 +199,25 @@ def test_a_rollback_asked_while_a_failed_entry_waits_is_tried_at_once(tmp_path, 
         freshness._follow()
     asked_at = 3.0 if asked_during == "the wait" else tries[1]
     assert asked_at <= tries[2] <= asked_at + 2 * worker.FOLLOW_EVERY_S, tries  # not RETRY_AFTER_S after tries[1]
+
+
+def test_a_worker_makes_its_mch_fences_again_when_the_applied_tables_change(tmp_path):
+    """A delta shifts a raw-id table's sorted ids in the shared copy: at its next look at the
+    applied state each worker makes its remap's fences again from them (and only then: it reads
+    every 256th id of every MCH table)."""
+    table = TableSpec(name="t", rows=3000, dim=4, features=["f"], ids="raw", remap={"kind": "mch"})
+    remap = served_remap(table)
+    remap.load({"t": random_slot_map(table, torch.Generator().manual_seed(0))})
+    model = torch.nn.Module()
+    model.raw_id_remaps = remap  # as a served model holds it
+    freshness = WorkerFreshness(tmp_path, SharedTables(tmp_path, tmp_path / "weights.pt", hold=-1), LAYOUT, Pace())
+    freshness.runner = types.SimpleNamespace(module=model)  # an eager runner
+    fresh = lambda: torch.equal(remap.fences[:-1], remap.sorted_ids[::FENCE_STRIDE])  # noqa: E731
+    AppliedState(sequence=1, updated_at=1.0).write(tmp_path)
+    freshness._sync_fences()
+    remap.sorted_ids[:-1] = torch.sort(torch.randint(-(2**62), 2**62, (2999,)))[0]  # a delta's write
+    freshness._sync_fences()
+    assert not fresh()  # the applied state has not changed
+    AppliedState(sequence=2, updated_at=2.0).write(tmp_path)
+    freshness._sync_fences()
+    assert fresh()
