@@ -147,7 +147,10 @@ class RawIdRemaps(nn.Module):
         """MCH: the first position of each id's range (``search_range``) whose owner is not below
         it, found by halving; the slot there if that owner is the id, else the default slot."""
         low, high = self.search_range(ids, feature)
-        low = _first_not_below(self.sorted_ids, ids, low, high, self.halvings)
+        # a graph halves every id's range as often as the widest needs; run eagerly, a batch whose
+        # every id has its block needs only a block's halvings
+        in_blocks = not torch.compiler.is_compiling() and bool((high - low < FENCE_STRIDE).all())
+        low = _first_not_below(self.sorted_ids, ids, low, high, FENCE_STRIDE.bit_length() if in_blocks else self.halvings)
         owned = self.sorted_ids[low] == ids
         if self.hashed_tables:
             owned &= ~self.is_hashed[feature]
