@@ -150,7 +150,8 @@ class RawIdRemaps(nn.Module):
         # a graph halves every id's range as often as the widest needs; run eagerly, a batch whose
         # every id has its block needs only a block's halvings
         in_blocks = not torch.compiler.is_compiling() and bool((high - low < FENCE_STRIDE).all())
-        low = _first_not_below(self.sorted_ids, ids, low, high, FENCE_STRIDE.bit_length() if in_blocks else self.halvings)
+        halvings = FENCE_STRIDE.bit_length() if in_blocks else self.halvings
+        low = _first_not_below(self.sorted_ids, ids, low, high, halvings)
         owned = self.sorted_ids[low] == ids
         if self.hashed_tables:
             owned &= ~self.is_hashed[feature]
@@ -164,7 +165,8 @@ class RawIdRemaps(nn.Module):
         first = self.search_from[feature]
         last = first + self.search_span[feature]
         fence_from = self.fence_from[feature]
-        fence = _first_not_below(self.fences, ids, fence_from, fence_from + self.fence_span[feature], self.fence_halvings)
+        fence_to = fence_from + self.fence_span[feature]
+        fence = _first_not_below(self.fences, ids, fence_from, fence_to, self.fence_halvings)
         # between the fence entry below the id and the first not below it
         low = torch.maximum(first, (fence - 1) * FENCE_STRIDE + 1)
         high = torch.minimum(last, fence * FENCE_STRIDE)

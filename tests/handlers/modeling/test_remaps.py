@@ -115,7 +115,8 @@ def test_the_served_maps_are_views_of_the_fused_tensors_and_maps_not_laid_end_to
     assert all(torch.equal(a, b) for t in maps for a, b in zip(served[t], maps[t]))
     served["b"][0][0] = -5  # a delta's write through a table's view reaches the served tensor
     assert int(remap.sorted_ids[1000]) == -5
-    with pytest.raises(ValueError, match=r"the slot maps of tables \['a', 'b', 'c', 'd', 'e'\] do not lie end to end"):
+    apart = r"the slot maps of tables \['a', 'b', 'c', 'd', 'e'\] do not lie end to end"
+    with pytest.raises(ValueError, match=apart):
         RawIdRemaps(TABLES).load(maps)
     split_wrong = fused({**maps, "a": tuple(p[:999] for p in maps["a"]), "b": tuple(torch.cat([p, p[:1]]) for p in maps["b"])},
                         [t.name for t in TABLES])  # the right total, the wrong tables' sizes

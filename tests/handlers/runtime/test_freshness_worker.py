@@ -212,7 +212,10 @@ def test_a_worker_makes_its_mch_fences_again_when_the_applied_tables_change(tmp_
     model.raw_id_remaps = remap  # as a served model holds it
     freshness = WorkerFreshness(tmp_path, SharedTables(tmp_path, tmp_path / "weights.pt", hold=-1), LAYOUT, Pace())
     freshness.runner = types.SimpleNamespace(module=model)  # an eager runner
-    fresh = lambda: torch.equal(remap.fences[:-1], remap.sorted_ids[::FENCE_STRIDE])  # noqa: E731
+
+    def fresh() -> bool:
+        return torch.equal(remap.fences[:-1], remap.sorted_ids[::FENCE_STRIDE])
+
     AppliedState(sequence=1, updated_at=1.0).write(tmp_path)
     freshness._sync_fences()
     remap.sorted_ids[:-1] = torch.sort(torch.randint(-(2**62), 2**62, (2999,)))[0]  # a delta's write
