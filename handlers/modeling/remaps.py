@@ -55,7 +55,7 @@ class RawIdRemaps(nn.Module):
         mch = [t.name in self.sorted_tables for t in table_of]
         columns = [counted.index(t.name) for t in table_of]
         per_feature: dict[str, list] = {"column": [[int(c == k) for k in range(len(counted))] for c in columns]}
-        fences: dict[str, tuple[int, int]] = {}  # MCH table -> its first fence entry, and how many
+        fence_ranges: dict[str, tuple[int, int]] = {}  # MCH table -> its first fence entry, and how many
         if sorted_kind:
             # placeholders until ``load`` (empty: a 1TB model's would take GBs while its maps are laid out)
             self.register_buffer("sorted_ids", torch.empty(sum(t.rows for t in sorted_kind), dtype=torch.int64))
@@ -65,9 +65,9 @@ class RawIdRemaps(nn.Module):
             per_feature["search_from"] = [self.ranges[t.name][0] if m else 0 for t, m in zip(table_of, mch)]
             per_feature["search_span"] = [t.rows - 1 if m else 0 for t, m in zip(table_of, mch)]
             per_feature["default_slot"] = [t.rows - 1 for t in table_of]
-            fences = {t.name: _fence_range(*self.ranges[t.name]) for t in sorted_kind}
-            per_feature["fence_from"] = [fences[t.name][0] if m else 0 for t, m in zip(table_of, mch)]
-            per_feature["fence_span"] = [fences[t.name][1] if m else 0 for t, m in zip(table_of, mch)]
+            fence_ranges = {t.name: _fence_range(*self.ranges[t.name]) for t in sorted_kind}
+            per_feature["fence_from"] = [fence_ranges[t.name][0] if m else 0 for t, m in zip(table_of, mch)]
+            per_feature["fence_span"] = [fence_ranges[t.name][1] if m else 0 for t, m in zip(table_of, mch)]
         if hashed:
             self.register_buffer("identities", torch.empty(sum(t.rows for t in hashed), dtype=torch.int64))
             per_feature["probe_from"] = [0 if m else self.ranges[t.name][0] for t, m in zip(table_of, mch)]
@@ -79,7 +79,7 @@ class RawIdRemaps(nn.Module):
         if self.dropping_unseen:
             per_feature["drops_unseen"] = [t.remap.drops_unseen for t in table_of]  # type: ignore[union-attr]
         self.halvings = max((t.rows - 1).bit_length() for t in sorted_kind) if sorted_kind else 0
-        self.fence_halvings = max((span.bit_length() for _, span in fences.values()), default=0)
+        self.fence_halvings = max((span.bit_length() for _, span in fence_ranges.values()), default=0)
         # one FBGEMM call per distinct max_probe, over the ids of its tables
         probes = [0 if m else _zch(t).max_probe for t, m in zip(table_of, mch)]
         self.max_probes = sorted(set(probes) - {0})

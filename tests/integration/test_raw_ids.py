@@ -30,8 +30,9 @@ from handlers.modeling.raw_ids import RawIdBags, first_probe_slots, fused_in, se
 from handlers.modeling.registry import input_schema
 from handlers.runtime.archive import Archive
 from handlers.runtime.archive_files import LOG_POINTER
-from handlers.runtime.artifacts import Artifact
+from handlers.runtime.artifacts import Artifact, CompiledPackage
 from handlers.runtime.errors import BadRequest, InputError
+from handlers.runtime.fences import FENCE_STRIDE, is_fences
 from handlers.runtime.freshness.dense import dense_slot
 from handlers.runtime.freshness.worker import WorkerFreshness
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
@@ -120,6 +121,25 @@ def test_every_artifact_kind_remaps_and_counts_unseen_ids_as_eager(trained, arch
             item["sparse"] = {}  # no id at all: the service pads the forward with one, not counted
         service.handle([orjson.dumps(empty)])
         assert set(service.unseen_ids.since_last()[1].values()) == {0}, kind
+
+
+def test_a_compiled_package_makes_its_fences_from_its_sorted_ids_and_refuses_a_weights_file_short_of_a_map(
+    archives, tmp_path
+):
+    """The weights file holds no fences (``compile_aoti`` leaves them out): loading the package
+    makes them from its sorted ids. A constant the file lacks is refused naming it."""
+    with Archive.open(archives["aoti"]) as archive:
+        package = archive.unpacked() / "model_aoti.pt2"
+        weights = torch.load(weights_file(package.parent), weights_only=True)
+        assert not [name for name in weights if is_fences(name)]
+        active = CompiledPackage(package).active
+        (fences,) = [name for name in active if is_fences(name)]
+        sorted_ids = active[fences.removesuffix("fences") + "sorted_ids"]
+        assert torch.equal(active[fences][:-1], sorted_ids[::FENCE_STRIDE])
+        short = tmp_path / "weights.pt"
+        torch.save({k: v for k, v in weights.items() if not k.endswith("raw_id_remaps.slots")}, short)
+        with pytest.raises(ValueError, match=r"its weights file lacks constants \['.*raw_id_remaps\.slots'\]"):
+            CompiledPackage(package, short)
 
 
 def test_unseen_ids_are_counted_on_after_a_dense_swap(trained, archives):

@@ -111,7 +111,7 @@ class WorkerFreshness:
         self.dense: DenseFollower | str = "the model is not loaded yet"  # or why it cannot swap dense weights
         self.tables_pinned: bool | None = None  # this process's mappings of the copy all mapped, locked
         self.error: str | None = None
-        self.runner: object = None  # the model served, once loaded
+        self.fenced: object = None  # the model served, where it has MCH fences to make again
         self._fenced_at: float | None = None  # the applied state's time when its MCH fences were last made
 
     @classmethod
@@ -169,7 +169,7 @@ class WorkerFreshness:
         slot = dense_slot(runner)
         self.dense = slot if isinstance(slot, str) else DenseFollower(slot, self.layout, self.folder)
         if any(is_fences(name) for name, _ in served_tensors(runner)):  # type: ignore[arg-type]
-            self.runner = runner
+            self.fenced = runner
         self._start(self._answer_calls, "freshness-calls")  # the plugin's calls, answered from now on
         in_background(self._prepare, "freshness-replay")  # while an older version may serve
         self._note_worker()
@@ -256,11 +256,11 @@ class WorkerFreshness:
         """The MCH remaps' fences made again from the sorted ids once the tables have changed
         since they were made (a delta applied, in part or whole, or undone): until then an id
         whose owners moved is searched over its whole table (``handlers.runtime.fences``)."""
-        if self.runner is None:
+        if self.fenced is None:
             return
         changed_at = AppliedState.read(self.folder).updated_at
         if changed_at != self._fenced_at:
-            refresh_fences(served_tensors(self.runner))  # type: ignore[arg-type]
+            refresh_fences(served_tensors(self.fenced))  # type: ignore[arg-type]
             self._fenced_at = changed_at
 
     # -- the plugin's calls ----------------------------------------------------------------------

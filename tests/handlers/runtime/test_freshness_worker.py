@@ -211,7 +211,7 @@ def test_a_worker_makes_its_mch_fences_again_when_the_applied_tables_change(tmp_
     model = torch.nn.Module()
     model.raw_id_remaps = remap  # as a served model holds it
     freshness = WorkerFreshness(tmp_path, SharedTables(tmp_path, tmp_path / "weights.pt", hold=-1), LAYOUT, Pace())
-    freshness.runner = types.SimpleNamespace(module=model)  # an eager runner
+    freshness.fenced = types.SimpleNamespace(module=model)  # an eager runner
 
     def fresh() -> bool:
         return torch.equal(remap.fences[:-1], remap.sorted_ids[::FENCE_STRIDE])
