@@ -6,9 +6,11 @@ fastest one that passes the accuracy gate and say what it costs.
 
 Each choice is the eager served model (the same tables) with all its MLPs in that precision; its
 forward is timed at one item (a lone request) and at ``LARGE_BATCH`` items (a full batch), on
-this machine's current thread setting. The times are the eager model's: a compiled graph ranks
-the choices differently at small batches (on this machine, compiled ``int8_weight_only`` is the
-fastest at one item, eager the slowest), the same way at large ones (``bf16``, with AMX).
+this machine's current thread setting. The times are the eager model's, and a compiled graph
+may rank the choices differently at small batches: ``int8_weight_only`` is the slowest eagerly
+at one item, and compiled it was once the fastest and, in a later run of the Criteo AOTI archive,
+slower than fp32 (241-314 against 194-210 us a forward). Time the compiled archive before you
+choose for latency.
 """
 
 from __future__ import annotations
