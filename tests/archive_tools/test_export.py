@@ -191,3 +191,18 @@ def test_a_slot_map_that_is_no_view_of_the_programs_constants_is_refused_before_
     with pytest.raises(ValueError, match=r"slot maps of tables \['t_user'\] are not views"):
         compile_aoti(program, tmp_path / "model_aoti.pt2", {"t_user": (torch.arange(4),)})
     assert not (tmp_path / "model_aoti.pt2").exists()
+
+
+def test_a_parameter_compiled_in_as_a_literal_is_refused_naming_it(tmp_path, monkeypatch):
+    """A compile that folds a parameter into the code (what Inductor does to a tensor of at most
+    8 elements without ``kept_as_constants``, as a torch upgrade could again) leaves it out of
+    reach of a dense swap: the build refuses the package, naming the parameter."""
+    import contextlib
+
+    import archive_tools.export
+
+    monkeypatch.setattr(archive_tools.export, "kept_as_constants", lambda names: contextlib.nullcontext())
+    program = torch.export.export(torch.nn.Linear(4, 1).eval(), (torch.randn(3, 4),))
+    with pytest.raises(RuntimeError, match=r"parameters compiled in as literals.*\['bias'\]"):
+        compile_aoti(program, tmp_path / "model_aoti.pt2")
+    assert not aoti_weights_file(tmp_path / "model_aoti.pt2").exists()
