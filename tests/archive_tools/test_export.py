@@ -1,6 +1,7 @@
 """The captured graphs: exported program and AOTInductor package score exactly as the eager model,
 at any batch size (1 included), and run in a process that never imports torchrec."""
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -197,11 +198,7 @@ def test_a_parameter_compiled_in_as_a_literal_is_refused_naming_it(tmp_path, mon
     """A compile that folds a parameter into the code (what Inductor does to a tensor of at most
     8 elements without ``kept_as_constants``, as a torch upgrade could again) leaves it out of
     reach of a dense swap: the build refuses the package, naming the parameter."""
-    import contextlib
-
-    import archive_tools.export
-
-    monkeypatch.setattr(archive_tools.export, "kept_as_constants", lambda names: contextlib.nullcontext())
+    monkeypatch.setattr("archive_tools.export.kept_as_constants", lambda names: contextlib.nullcontext())
     program = torch.export.export(torch.nn.Linear(4, 1).eval(), (torch.randn(3, 4),))
     with pytest.raises(RuntimeError, match=r"parameters compiled in as literals.*\['bias'\]"):
         compile_aoti(program, tmp_path / "model_aoti.pt2")
