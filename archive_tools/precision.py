@@ -6,11 +6,10 @@ fastest one that passes the accuracy gate and say what it costs.
 
 Each choice is the eager served model (the same tables) with all its MLPs in that precision; its
 forward is timed at one item (a lone request) and at ``LARGE_BATCH`` items (a full batch), on
-this machine's current thread setting. The times are the eager model's, and a compiled graph
-may rank the choices differently at small batches: ``int8_weight_only`` is the slowest eagerly
-at one item, and compiled it was once the fastest and, in a later run of the Criteo AOTI archive,
-slower than fp32 (241-314 against 194-210 us a forward). Time the compiled archive before you
-choose for latency.
+this machine's current thread setting. The times are the eager model's. Compiled rankings at
+small batches have differed from run to run here: compiled ``int8_weight_only`` was once the
+fastest at one item, and in a later run of the Criteo AOTI archive slower than fp32 (241-314
+against 194-210 us a forward). Time the compiled archive before you choose for latency.
 """
 
 from __future__ import annotations

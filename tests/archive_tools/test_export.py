@@ -195,9 +195,10 @@ def test_a_slot_map_that_is_no_view_of_the_programs_constants_is_refused_before_
 
 
 def test_a_parameter_compiled_in_as_a_literal_is_refused_naming_it(tmp_path, monkeypatch):
-    """A compile that folds a parameter into the code (what Inductor does to a tensor of at most
-    8 elements without ``kept_as_constants``, as a torch upgrade could again) leaves it out of
-    reach of a dense swap: the build refuses the package, naming the parameter."""
+    """A compile that folds a parameter into the code (what Inductor does to a one-dimensional
+    tensor of at most 8 elements without ``kept_as_constants``, as a torch upgrade could again)
+    leaves it out of reach of a dense swap: ``compile_aoti`` raises, naming the parameter, and
+    writes no weights file, so the build stops."""
     monkeypatch.setattr("archive_tools.export.kept_as_constants", lambda names: contextlib.nullcontext())
     program = torch.export.export(torch.nn.Linear(4, 1).eval(), (torch.randn(3, 4),))
     with pytest.raises(RuntimeError, match=r"parameters compiled in as literals.*\['bias'\]"):
