@@ -147,7 +147,9 @@ def test_fences_made_before_a_delta_moved_the_owners_leave_every_slot_right_unti
     for table in tables:
         owned = maps[table.name][0][:-1]
         drawn = torch.cat([owned, torch.randint(-(2**63), MCH_FREE_SLOT, (500,), generator=generator)])
-        ids.append(drawn), lengths.append(len(drawn)), expected.append(_table_search(table, maps[table.name], drawn)[0])
+        ids.append(drawn)
+        lengths.append(len(drawn))
+        expected.append(_table_search(table, maps[table.name], drawn)[0])
     feature = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(lengths))
     for refreshed in (False, True):
         assert torch.equal(remap(torch.cat(ids), torch.tensor(lengths)), torch.cat(expected)), refreshed
