@@ -29,7 +29,7 @@ from handlers.modeling import tbe
 from handlers.modeling.eager import PlainInputs
 from handlers.runtime.archive_files import aoti_weights_file
 from handlers.runtime.batching import Batch, plain_arguments
-from handlers.runtime.fences import is_fences
+from handlers.runtime.id_buckets import is_index
 from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds, is_slot_map
 from handlers.runtime.quiet import quieter
 from handlers.runtime.slot_maps import SlotMap, part_names
@@ -128,8 +128,8 @@ def compile_aoti(
             )
         )
     constants = set(torch._inductor.aoti_load_package(str(package)).get_constant_fqns())
-    # but a raw-id remap's fences, which a worker makes from its sorted ids (fences.derived_constants)
-    weights = {name: package_constant(state, name) for name in constants if not is_fences(name)}
+    # but a raw-id remap's bucket index, which a worker makes from its sorted ids (id_buckets.derived_constants)
+    weights = {name: package_constant(state, name) for name in constants if not is_index(name)}
     missing = [name for name, tensor in weights.items() if tensor is None]
     if missing:
         raise RuntimeError(f"{package}: needs weights that the exported program lacks: {missing}")

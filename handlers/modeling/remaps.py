@@ -9,9 +9,9 @@ end to end (``slot_maps.fused``), each table a range of them:
 * MCH: ``sorted_ids`` / ``slots``, each table's owners sorted and the slot of each. A binary search
   bounded by each id's table range finds the first owner not below the id (``torch.searchsorted``
   on that table); an id that owns no slot gets its table's last slot, the default row. The search
-  runs on the table's fences first (``handlers.runtime.fences``: every 256th owner, a few pages),
-  then within the one block of 256 owners they name: two short searches touch a few pages where
-  one over a 10M-slot table touches one a step, each a miss in memory.
+  reads the id's bucket in its table's bucket index first (``handlers.runtime.id_buckets``: where
+  the owners of each range of ids start), then halves that bucket's window of about 16 owners: a
+  few cache lines an id, where halving a 10M-slot table touches a new one at each step.
 * ZCH: ``identities``, row-aligned. FBGEMM's probing (``tbe.zch_slots``) within each id's bucket,
   given as that table's range of the whole: an id that owns no slot gets its first probe slot, or,
   in a table with ``unseen: zero``, slot -1, which FBGEMM's lookup leaves out of the bag.
@@ -31,7 +31,7 @@ from torch import nn
 from handlers.modeling import tbe
 from handlers.modeling.remap_spec import RemapKind, RemapSpec
 from handlers.modeling.spec import TableSpec
-from handlers.runtime.fences import FENCE_STRIDE, fences_of
+from handlers.runtime.id_buckets import BUCKETS, FIRST, HEADER, OFFSET, ROWS, bucket_tables, index_of
 from handlers.runtime.slot_maps import HASHED_PARTS, SORTED_PARTS, SlotMap, spanned
 
 
@@ -48,26 +48,23 @@ class RawIdRemaps(nn.Module):
         self.features = [f for t in tables for f in t.features]
         self.ranges = {**_ranges(sorted_kind), **_ranges(hashed)}  # table -> (first slot, rows) in its kind's maps
         self.sorted_tables, self.hashed_tables = [t.name for t in sorted_kind], [t.name for t in hashed]
-        # Per feature, of its table: its column in ``counts`` (one-hot); for MCH, its range's first slot and
-        # last offset to search (0 and 0 for a ZCH table: nothing), its default slot; for ZCH, its
+        # Per feature, of its table: its column in ``counts`` (one-hot); for MCH, its row in
+        # ``bucket_tables`` (0 for a ZCH table: an answer not used), its default slot; for ZCH, its
         # first slot, bucket rows and buckets (0, 1, 1 for an MCH table). Only a kind's own.
         table_of = [t for t in tables for _ in t.features]
         mch = [t.name in self.sorted_tables for t in table_of]
         columns = [counted.index(t.name) for t in table_of]
         per_feature: dict[str, list] = {"column": [[int(c == k) for k in range(len(counted))] for c in columns]}
-        fence_ranges: dict[str, tuple[int, int]] = {}  # MCH table -> its first fence entry, and how many
         if sorted_kind:
             # placeholders until ``load`` (empty: a 1TB model's would take GBs while its maps are laid out)
             self.register_buffer("sorted_ids", torch.empty(sum(t.rows for t in sorted_kind), dtype=torch.int64))
             self.register_buffer("slots", torch.empty(sum(t.rows for t in sorted_kind), dtype=torch.int64))
+            ranges = [self.ranges[t.name] for t in sorted_kind]
+            self.register_buffer("bucket_tables", bucket_tables(*zip(*ranges)), persistent=False)
             # derived from sorted_ids at load, each worker's own
-            self.register_buffer("fences", fences_of(self.sorted_ids[:0]), persistent=False)
-            per_feature["search_from"] = [self.ranges[t.name][0] if m else 0 for t, m in zip(table_of, mch)]
-            per_feature["search_span"] = [t.rows - 1 if m else 0 for t, m in zip(table_of, mch)]
+            self.register_buffer("bucket_index", torch.empty(0, dtype=torch.int64), persistent=False)
+            per_feature["mch_table"] = [self.sorted_tables.index(t.name) if m else 0 for t, m in zip(table_of, mch)]
             per_feature["default_slot"] = [t.rows - 1 for t in table_of]
-            fence_ranges = {t.name: _fence_range(*self.ranges[t.name]) for t in sorted_kind}
-            per_feature["fence_from"] = [fence_ranges[t.name][0] if m else 0 for t, m in zip(table_of, mch)]
-            per_feature["fence_span"] = [fence_ranges[t.name][1] if m else 0 for t, m in zip(table_of, mch)]
         if hashed:
             self.register_buffer("identities", torch.empty(sum(t.rows for t in hashed), dtype=torch.int64))
             per_feature["probe_from"] = [0 if m else self.ranges[t.name][0] for t, m in zip(table_of, mch)]
@@ -79,7 +76,6 @@ class RawIdRemaps(nn.Module):
         if self.dropping_unseen:
             per_feature["drops_unseen"] = [t.remap.drops_unseen for t in table_of]  # type: ignore[union-attr]
         self.halvings = max((t.rows - 1).bit_length() for t in sorted_kind) if sorted_kind else 0
-        self.fence_halvings = max((span.bit_length() for _, span in fence_ranges.values()), default=0)
         # one FBGEMM call per distinct max_probe, over the ids of its tables
         probes = [0 if m else _zch(t).max_probe for t, m in zip(table_of, mch)]
         self.max_probes = sorted(set(probes) - {0})
@@ -114,7 +110,7 @@ class RawIdRemaps(nn.Module):
                     raise ValueError(f"slot maps' {name} must be int64 for tables {names}, got {tensor.dtype}")
                 setattr(self, name, tensor)
             if parts == SORTED_PARTS:
-                self.fences = fences_of(self.sorted_ids)
+                self.bucket_index = index_of(self.sorted_ids, self.bucket_tables)
 
     def table_maps(self) -> dict[str, SlotMap]:
         """Each table's slot map: views of the served tensors."""
@@ -147,10 +143,12 @@ class RawIdRemaps(nn.Module):
         """MCH: the first position of each id's range (``search_range``) whose owner is not below
         it, found by halving; the slot there if that owner is the id, else the default slot."""
         low, high = self.search_range(ids, feature)
-        # a graph halves every id's range as often as the widest needs; run eagerly, a batch whose
-        # every id has its block needs only a block's halvings
-        in_blocks = not torch.compiler.is_compiling() and bool((high - low < FENCE_STRIDE).all())
-        halvings = FENCE_STRIDE.bit_length() if in_blocks else self.halvings
+        # a graph halves every id's range as often as a whole table needs; run eagerly, as often
+        # as this batch's widest range needs (a window's few where every window holds)
+        if torch.compiler.is_compiling():
+            halvings = self.halvings
+        else:
+            halvings = int((high - low).max()).bit_length() if len(ids) else 0
         low = _first_not_below(self.sorted_ids, ids, low, high, halvings)
         owned = self.sorted_ids[low] == ids
         if self.hashed_tables:
@@ -159,17 +157,16 @@ class RawIdRemaps(nn.Module):
 
     def search_range(self, ids: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """MCH ids int64 [V] of ``feature`` int64 [V] -> where to search each, [low, high]: the
-        block its table's fences name (at most ``FENCE_STRIDE`` positions), where the owners
-        around it confirm that it holds the id's place; else (a delta moved the owners since the
-        fences were made) the whole table."""
-        first = self.search_from[feature]
-        last = first + self.search_span[feature]
-        fence_from = self.fence_from[feature]
-        fence_to = fence_from + self.fence_span[feature]
-        fence = _first_not_below(self.fences, ids, fence_from, fence_to, self.fence_halvings)
-        # between the fence entry below the id and the first not below it
-        low = torch.maximum(first, (fence - 1) * FENCE_STRIDE + 1)
-        high = torch.minimum(last, fence * FENCE_STRIDE)
+        window of its bucket in its table's bucket index, where the owners on either side confirm
+        that it holds the id's place; else (a delta moved the owners since the index was made)
+        the whole table."""
+        table = self.bucket_tables[self.mch_table[feature]]  # [V, 4]
+        first, offset = table[:, FIRST], table[:, OFFSET]
+        last = first + table[:, ROWS] - 1
+        shift, base = self.bucket_index[offset], self.bucket_index[offset + 1]
+        bucket = torch.minimum(torch.clamp((ids >> shift) - base, min=0), table[:, BUCKETS] - 1)
+        start = offset + HEADER + bucket
+        low, high = first + self.bucket_index[start], first + self.bucket_index[start + 1]
         holds = ((low == first) | (self.sorted_ids[torch.clamp(low - 1, min=0)] < ids)) & (
             (high == last) | (self.sorted_ids[high] >= ids)
         )
@@ -208,13 +205,6 @@ def _first_not_below(
         low = torch.where(above, middle + 1, low)
         high = torch.where(active & ~above, middle, high)
     return low
-
-
-def _fence_range(start: int, rows: int) -> tuple[int, int]:
-    """A table's first fence entry and how many there are within its search range (its first
-    slot to its last but one): positions ``start`` to ``start + rows - 2``."""
-    first = -(-start // FENCE_STRIDE)
-    return first, -(-(start + rows - 1) // FENCE_STRIDE) - first
 
 
 def _zch(table: TableSpec) -> RemapSpec:

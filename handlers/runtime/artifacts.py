@@ -29,7 +29,7 @@ from handlers.runtime import archive_files
 from handlers.runtime import fbgemm_ops  # noqa: F401  the TBE operators the graphs call
 from handlers.runtime.archive_files import aoti_weights_file
 from handlers.runtime.batching import Batch, plain_arguments
-from handlers.runtime.fences import derived_constants, is_fences
+from handlers.runtime.id_buckets import derived_constants, is_index
 from handlers.runtime.freshness.delta_file import DenseShapes, dense_shapes
 from handlers.runtime.freshness.dense import is_table_constant
 from handlers.runtime.inputs import RAW_ID_COUNTER, InputTag
@@ -88,14 +88,14 @@ class CompiledPackage:
         self._lock = threading.Lock()
         names = set(self.model.get_constant_fqns())
         self.original = torch.load(weights or aoti_weights_file(path), mmap=True, weights_only=True)
-        missing = sorted(n for n in names - set(self.original) if not is_fences(n))
+        missing = sorted(n for n in names - set(self.original) if not is_index(n))
         if missing:
             raise ValueError(f"{path}: its weights file lacks constants {missing}")
         # The graph adds to its raw-id counters each run: this worker's own copies. A run that
         # wrote into the mapped file would copy the page privately, and the tables or slot maps
         # that share it would stop seeing the deltas written into the file.
         self.active = {name: self.original[name].clone() if RAW_ID_COUNTER.search(name) else self.original[name]
-                       for name in names if not is_fences(name)}
+                       for name in names if not is_index(name)}
         self.active.update(derived_constants(self.active, names))  # this worker's own too
         self._load(self.active)
 
@@ -172,7 +172,7 @@ class GraphModel:
 
 def served_tensors(runner: Runner) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors a loaded model serves from, by name: a split model's lookups', a graph's
-    constants, or an eager model's buffers (a raw-id remap's counts and fences among them)."""
+    constants, or an eager model's buffers (a raw-id remap's counts and bucket index among them)."""
     part = getattr(runner, "sparse", runner)
     run = getattr(part, "run", None)
     if isinstance(run, CompiledPackage):

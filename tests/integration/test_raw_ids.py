@@ -32,7 +32,7 @@ from handlers.runtime.archive import Archive
 from handlers.runtime.archive_files import LOG_POINTER
 from handlers.runtime.artifacts import Artifact, CompiledPackage
 from handlers.runtime.errors import BadRequest, InputError
-from handlers.runtime.fences import FENCE_STRIDE, is_fences
+from handlers.runtime.id_buckets import index_of, is_index
 from handlers.runtime.freshness.dense import dense_slot
 from handlers.runtime.freshness.worker import WorkerFreshness
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
@@ -123,19 +123,19 @@ def test_every_artifact_kind_remaps_and_counts_unseen_ids_as_eager(trained, arch
         assert set(service.unseen_ids.since_last()[1].values()) == {0}, kind
 
 
-def test_a_compiled_package_makes_its_fences_from_its_sorted_ids_and_refuses_a_weights_file_short_of_a_map(
+def test_a_compiled_package_makes_its_bucket_index_from_its_sorted_ids_and_refuses_a_weights_file_short_of_a_map(
     archives, tmp_path
 ):
-    """The weights file holds no fences (``compile_aoti`` leaves them out): loading the package
-    makes them from its sorted ids. A constant the file lacks is refused naming it."""
+    """The weights file holds no bucket index (``compile_aoti`` leaves it out): loading the
+    package makes it from its sorted ids. A constant the file lacks is refused naming it."""
     with Archive.open(archives["aoti"]) as archive:
         package = archive.unpacked() / "model_aoti.pt2"
         weights = torch.load(weights_file(package.parent), weights_only=True)
-        assert not [name for name in weights if is_fences(name)]
+        assert not [name for name in weights if is_index(name)]
         active = CompiledPackage(package).active
-        (fences,) = [name for name in active if is_fences(name)]
-        sorted_ids = active[fences.removesuffix("fences") + "sorted_ids"]
-        assert torch.equal(active[fences][:-1], sorted_ids[::FENCE_STRIDE])
+        (index,) = [name for name in active if is_index(name)]
+        remap = index.removesuffix("bucket_index")
+        assert torch.equal(active[index], index_of(active[remap + "sorted_ids"], active[remap + "bucket_tables"]))
         short = tmp_path / "weights.pt"
         torch.save({k: v for k, v in weights.items() if not k.endswith("raw_id_remaps.slots")}, short)
         with pytest.raises(ValueError, match=r"its weights file lacks constants \['.*raw_id_remaps\.slots'\]"):

@@ -1,7 +1,7 @@
 """The served remap of a raw-id collection (``RawIdRemaps``): every table's ids in one call give
 the slots each table's own search gives (``torch.searchsorted`` on an MCH table's sorted owners,
 FBGEMM's probing of a ZCH table alone), and the ids it counts unseen are those that own no slot;
-MCH fences made before a delta moved the owners change none of it."""
+an MCH bucket index made before a delta moved the owners changes none of it."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import torch
 from handlers.modeling.raw_ids import random_slot_map, zch_lookup
 from handlers.modeling.remaps import RawIdRemaps
 from handlers.modeling.spec import TableSpec
-from handlers.runtime.fences import FENCE_STRIDE, refresh_fences
+from handlers.runtime.id_buckets import index_of, refresh
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 from handlers.runtime.slot_maps import fused, owners_of, slot_map, spanned, with_owners
 
 # both kinds, two ZCH probe lengths, buckets, a table of two features, tables of one and two slots,
 # both kinds with unseen: zero (MCH: its default slot, the row held at zero; ZCH: no slot, -1), MCH
-# tables of several fence blocks (256 owners each), one starting within a block (at 1010)
+# tables of many buckets (16 owners each, on average), one starting at an odd slot (1010)
 TABLES = [
     TableSpec(name="a", rows=1000, dim=8, features=["fa"], ids="raw", remap={"kind": "mch"}),
     TableSpec(name="z", rows=512, dim=8, features=["fz", "fz2"], ids="raw",
@@ -124,24 +124,22 @@ def test_the_served_maps_are_views_of_the_fused_tensors_and_maps_not_laid_end_to
         RawIdRemaps(TABLES).load(split_wrong)
 
 
-def test_fences_made_before_a_delta_moved_the_owners_leave_every_slot_right_until_made_again():
+def test_a_bucket_index_made_before_a_delta_moved_the_owners_leaves_every_slot_right_until_made_again():
     """Evictions and insertions shift an MCH table's sorted ids in place (as a delta writes them)
-    while the remap's fences still name the old blocks: every id gets the slot the new map gives,
-    owned or not; ``refresh_fences`` makes them name the new blocks, with the same answers."""
+    while the remap's bucket index still gives the old windows: every id gets the slot the new
+    map gives, owned or not; ``refresh`` makes it give the new windows, with the same answers."""
     tables = [t for t in TABLES if t.name in ("a", "e")]
     generator = torch.Generator().manual_seed(3)
     remap = RawIdRemaps(tables)
     remap.load(fused({t.name: random_slot_map(t, generator) for t in tables}, ["a", "e"]))
     holder = torch.nn.Module()
     holder.raw_id_remaps = remap  # as a served model holds it
-    for table, moved in (("a", 60), ("e", 400)):  # e's every block shifts
+    for table, moved in (("a", 60), ("e", 400)):  # e's every window shifts
         served = remap.table_maps()[table]
         slots = torch.randperm(len(served[0]) - 1, generator=generator)[:moved]
         owners = torch.randint(-(2**63), MCH_FREE_SLOT, (moved,), generator=generator)
         for part, new in zip(served, with_owners(owners_of(served), slots, owners, hashed=False)):
             part.copy_(new)
-    stale = remap.fences[:-1] != remap.sorted_ids[::FENCE_STRIDE]
-    assert 0 < int(stale.sum()) < len(stale)  # some blocks still hold the ids the fences name, some not
     maps = remap.table_maps()
     lengths, ids, expected = [], [], []
     for table in tables:
@@ -151,9 +149,11 @@ def test_fences_made_before_a_delta_moved_the_owners_leave_every_slot_right_unti
         lengths.append(len(drawn))
         expected.append(_table_search(table, maps[table.name], drawn)[0])
     feature = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(lengths))
+    rows = torch.tensor([t.rows for t in tables])[feature]
     for refreshed in (False, True):
         assert torch.equal(remap(torch.cat(ids), torch.tensor(lengths)), torch.cat(expected)), refreshed
         low, high = remap.search_range(torch.cat(ids), feature)
-        assert bool((high - low <= FENCE_STRIDE).all()) == refreshed  # stale: some searched whole
-        assert refresh_fences(holder.named_buffers()) == 1
-    assert torch.equal(remap.fences[:-1], remap.sorted_ids[::FENCE_STRIDE])
+        whole = int((high - low == rows - 1).sum())  # ids whose window did not hold
+        assert 0 < whole < len(low) if not refreshed else whole == 0, whole
+        assert refresh(holder.named_buffers()) == 1
+    assert torch.equal(remap.bucket_index, index_of(remap.sorted_ids, remap.bucket_tables))

@@ -15,7 +15,7 @@ import torch
 from handlers.modeling.raw_ids import random_slot_map, served_remap
 from handlers.modeling.spec import TableSpec
 from handlers.runtime.archive_files import LOG_POINTER
-from handlers.runtime.fences import FENCE_STRIDE
+from handlers.runtime.id_buckets import index_of
 from handlers.runtime.freshness.applier import AppliedState, Pace, TableWriter
 from handlers.runtime.freshness.follower import LogFollower
 from handlers.runtime.freshness.log import ROLLBACK_MARK, mark_rollback
@@ -201,26 +201,29 @@ def test_a_rollback_asked_while_a_failed_entry_waits_is_tried_at_once(tmp_path, 
     assert asked_at <= tries[2] <= asked_at + 2 * worker.FOLLOW_EVERY_S, tries  # not RETRY_AFTER_S after tries[1]
 
 
-def test_a_worker_makes_its_mch_fences_again_when_the_applied_tables_change(tmp_path):
-    """A delta shifts a raw-id table's sorted ids in the shared copy: at its next look at the
-    applied state each worker makes its remap's fences again from them (and only then: it reads
-    every 256th id of every MCH table)."""
+def test_a_worker_makes_its_mch_bucket_index_again_once_a_delta_is_applied(tmp_path):
+    """A delta shifts a raw-id table's sorted ids in the shared copy: at its first look at the
+    applied state once the delta is applied whole, each worker makes its remap's bucket index
+    again from them (and only then: it searches every bucket's start in every MCH table)."""
     table = TableSpec(name="t", rows=3000, dim=4, features=["f"], ids="raw", remap={"kind": "mch"})
     remap = served_remap(table)
     remap.load({"t": random_slot_map(table, torch.Generator().manual_seed(0))})
     model = torch.nn.Module()
     model.raw_id_remaps = remap  # as a served model holds it
     freshness = WorkerFreshness(tmp_path, SharedTables(tmp_path, tmp_path / "weights.pt", hold=-1), LAYOUT, Pace())
-    freshness.fenced = types.SimpleNamespace(module=model)  # an eager runner
+    freshness.indexed = types.SimpleNamespace(module=model)  # an eager runner
 
     def fresh() -> bool:
-        return torch.equal(remap.fences[:-1], remap.sorted_ids[::FENCE_STRIDE])
+        return torch.equal(remap.bucket_index, index_of(remap.sorted_ids, remap.bucket_tables))
 
     AppliedState(sequence=1, updated_at=1.0).write(tmp_path)
-    freshness._sync_fences()
+    freshness._sync_bucket_indexes()
     remap.sorted_ids[:-1] = torch.sort(torch.randint(-(2**62), 2**62, (2999,)))[0]  # a delta's write
-    freshness._sync_fences()
+    freshness._sync_bucket_indexes()
     assert not fresh()  # the applied state has not changed
+    AppliedState(sequence=1, partial=500, updated_at=1.5).write(tmp_path)
+    freshness._sync_bucket_indexes()
+    assert not fresh()  # the delta is half applied
     AppliedState(sequence=2, updated_at=2.0).write(tmp_path)
-    freshness._sync_fences()
+    freshness._sync_bucket_indexes()
     assert fresh()
