@@ -29,9 +29,9 @@ from handlers.runtime import archive_files
 from handlers.runtime import fbgemm_ops  # noqa: F401  the TBE operators the graphs call
 from handlers.runtime.archive_files import aoti_weights_file
 from handlers.runtime.batching import Batch, plain_arguments
-from handlers.runtime.id_buckets import derived_constants, is_index
 from handlers.runtime.freshness.delta_file import DenseShapes, dense_shapes
 from handlers.runtime.freshness.dense import is_table_constant
+from handlers.runtime.id_buckets import derived_constants, is_index
 from handlers.runtime.inputs import RAW_ID_COUNTER, InputTag
 from handlers.runtime.quiet import quieter
 from handlers.runtime.torch_internals import run_package

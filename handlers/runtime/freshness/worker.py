@@ -41,7 +41,6 @@ from handlers.runtime.archive_files import LOG_POINTER, TABLES
 from handlers.runtime.artifacts import served_tensors
 from handlers.runtime.batching import Batch
 from handlers.runtime.errors import Conflict
-from handlers.runtime.id_buckets import is_index, refresh
 from handlers.runtime.freshness.applier import AppliedState, Pace, RowLock, TableWriter
 from handlers.runtime.freshness.background import in_background, lower_this_thread
 from handlers.runtime.freshness.config import FreshnessConfig
@@ -63,6 +62,7 @@ from handlers.runtime.freshness.protocol import (
 )
 from handlers.runtime.freshness.shared_tables import SharedTables, pin_in_memory, sweep
 from handlers.runtime.freshness.slot_writes import check_owners
+from handlers.runtime.id_buckets import is_index, refresh
 from handlers.runtime.options import HandlerOptions
 from handlers.runtime.slot_maps import slot_maps_in
 

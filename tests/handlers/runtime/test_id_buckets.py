@@ -42,7 +42,7 @@ def test_each_bucket_starts_at_its_first_owner_and_the_shift_is_the_least_that_f
     tables = bucket_tables(firsts, [len(o) for o in owners.values()])
     index = index_of(sorted_ids, tables)
     assert len(index) == sum(bucket_count(len(o)) + HEADER + 1 for o in owners.values())
-    for (name, table), (first, rows, offset, buckets) in zip(owners.items(), tables.tolist()):
+    for name, (first, rows, offset, buckets) in zip(owners, tables.tolist()):
         assert buckets == max(2, -(-(rows - 1) // OCCUPANCY)), name
         shift, base = index[offset : offset + HEADER].tolist()
         starts = index[offset + HEADER : offset + HEADER + buckets + 1].tolist()
