@@ -32,9 +32,9 @@ from handlers.runtime.archive import Archive
 from handlers.runtime.archive_files import LOG_POINTER
 from handlers.runtime.artifacts import Artifact, CompiledPackage
 from handlers.runtime.errors import BadRequest, InputError
-from handlers.runtime.id_buckets import index_of, is_index
 from handlers.runtime.freshness.dense import dense_slot
 from handlers.runtime.freshness.worker import WorkerFreshness
+from handlers.runtime.id_buckets import index_of, is_index
 from handlers.runtime.inputs import MCH_FREE_SLOT, ZCH_EMPTY_SLOT
 from handlers.runtime.slot_maps import owners_of, slot_maps_in
 from handlers.runtime.wire.decoder import RequestDecoder

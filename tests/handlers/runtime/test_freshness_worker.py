@@ -15,7 +15,6 @@ import torch
 from handlers.modeling.raw_ids import random_slot_map, served_remap
 from handlers.modeling.spec import TableSpec
 from handlers.runtime.archive_files import LOG_POINTER
-from handlers.runtime.id_buckets import index_of
 from handlers.runtime.freshness.applier import AppliedState, Pace, TableWriter
 from handlers.runtime.freshness.follower import LogFollower
 from handlers.runtime.freshness.log import ROLLBACK_MARK, mark_rollback
@@ -23,6 +22,7 @@ from handlers.runtime.freshness.protocol import PROTOCOL, reply_bytes
 from handlers.runtime.freshness.shared_tables import SharedTables
 from handlers.runtime.freshness import worker
 from handlers.runtime.freshness.worker import WorkerFreshness
+from handlers.runtime.id_buckets import index_of
 from tests.handlers.runtime.test_delta_files import LAYOUT, TABLES, _rows, _table_a, _weights_file, _write
 
 def _calls(freshness, log: Path):

@@ -60,7 +60,8 @@ def test_each_bucket_starts_at_its_first_owner_and_the_shift_is_the_least_that_f
 def test_a_remap_whose_buckets_fill_unevenly_gives_every_id_its_tables_slot():
     """Owners clustered in value put nearly all of a table's owners in one bucket and leave the
     rest empty: the windows differ in width by hundreds, and every id still gets the slot
-    ``torch.searchsorted`` over the table gives (or the default slot)."""
+    ``torch.searchsorted`` over the table gives (or the default slot); a batch of no ids maps
+    to none."""
     generator = torch.Generator().manual_seed(1)
     owners = _owners(generator)
     tables = [TableSpec(name=name, rows=len(o), dim=4, features=[f"f_{name}"], ids="raw", remap={"kind": "mch"})
@@ -81,3 +82,6 @@ def test_a_remap_whose_buckets_fill_unevenly_gives_every_id_its_tables_slot():
     feature = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(lengths))
     low, high = remap.search_range(torch.cat(ids), feature)
     assert int((high - low).max()) >= 400  # the clustered table's one full bucket
+    counted = remap.counts.clone()
+    none = remap(torch.empty(0, dtype=torch.int64), torch.zeros(len(tables), dtype=torch.int64))
+    assert none.shape == (0,) and torch.equal(remap.counts, counted)  # a batch of no ids: no window to halve
