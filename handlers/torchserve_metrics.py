@@ -8,6 +8,7 @@
 | ``HandlerForwardItems`` | counter | | items scored; / ``HandlerForwards`` = items per forward |
 | ``HandlerStageMilliseconds`` | counter | ``Stage`` | time in decode, coalesce, forward, encode |
 | ``HandlerRejectedRequests`` | counter | ``Reason`` | 4xx answers, by ``BadRequest`` reason |
+| ``HandlerSplitForwards`` | counter | | forwards that raised and were split to find the requests that fail alone |
 | ``HandlerHashedIds`` | counter | | ids outside their table, hashed by the ``hash`` policy |
 | ``HandlerPrunedIds`` | counter | ``Table`` | ids of a pruned table that have no row (they look up a zero row) |
 | ``HandlerUnseenIds`` | counter | ``Table`` | ids of a raw-id table that own no slot (they look up its default row, ZCH: their first probe) |
@@ -70,6 +71,8 @@ class MetricsPublisher:
             pending[("HandlerRejectedRequests", (("Reason", reason),))] += count
         if stats.hashed_ids:
             pending[("HandlerHashedIds", ())] += stats.hashed_ids
+        if stats.split_forwards:
+            pending[("HandlerSplitForwards", ())] += stats.split_forwards
         for table, count in stats.pruned_ids.items():
             pending[("HandlerPrunedIds", (("Table", table),))] += count
         if time.monotonic() - self._last_flush >= self.flush_s:

@@ -28,6 +28,22 @@ factory asks for; the factory finds them, quantizes each table to the spec's dty
 them between workers. ``forward`` takes the inputs ``input_tags`` declares, by those names, in that
 order (checked at build), and returns logits [N, 1]. ``split`` is optional: without it, the
 ``split`` artifact and the distributed layout are refused for the architecture.
+
+What the runtime assumes of ``forward``: each item's score depends on that item (and its
+request's context) alone, so requests batched together score as they would alone, and a padding
+item (zero dense row, each bag holding its feature's ``ids_per_item.min`` ids of id 0, sent where a
+graph needs more items or some id) changes no other item's score. A model that takes exactly one id
+of a feature says so in the spec (``ids_per_item: {min: 1, max: 1}`` on the table, or per feature
+in ``ids_per_feature``): requests are then held to it, and so are the build's synthetic requests.
+Where a model needs requests the spec cannot describe (ids that must relate across features, say),
+override ``synthetic_request``, which the build captures and verifies the model on::
+
+    class Pairs(TwoTower):
+        def synthetic_request(self, spec, num_items, seed, max_bag=3, return_logits=False, owned_ids=None):
+            request = super().synthetic_request(spec, num_items, seed, max_bag, return_logits, owned_ids)
+            for item in request["items"]:                  # the pair's second id repeats its first
+                item["sparse"]["item_b"] = item["sparse"]["item_a"]
+            return request
 """
 
 from __future__ import annotations
@@ -123,10 +139,12 @@ class Architecture(abc.ABC):
     ) -> dict:
         """A seeded JSON request of ``num_items`` items: dense rows normal, ids uniform over each
         table (a raw-id table's: 3 in 4 drawn from its ``owned_ids`` where given, the raw ids that
-        own its slots in any order, the others anywhere in int64), bags of 0..``max_bag`` ids,
-        weights in [0, 2) on about half the bags of a weighted model, a context row where the model
-        takes one, and per-request sequences of 0..4 x ``max_bag`` ids (within each feature's cap)
-        where it takes them."""
+        own its slots in any order, the others anywhere in int64), bags of 0..``max_bag`` ids
+        (within each feature's ``ids_per_item``), weights in [0, 2) on about half the bags of a
+        weighted model, a context row where the model takes one, and per-request sequences of
+        0..4 x ``max_bag`` ids (within each feature's cap and ``ids_per_item``) where it takes them.
+        The build captures and verifies the model on such requests; override it where the model
+        needs requests that the spec cannot describe (module docstring)."""
         rng = np.random.default_rng(seed)
         schema = self.input_schema(spec)
         owned = {
@@ -138,7 +156,7 @@ class Architecture(abc.ABC):
         for _ in range(num_items):
             sparse: dict[str, Any] = {}
             for feature in schema.features:
-                bag = _draw_ids(rng, feature, int(rng.integers(0, max_bag + 1)), owned.get(feature.name))
+                bag = _draw_ids(rng, feature, _bag_size(rng, feature, max_bag), owned.get(feature.name))
                 if spec.weighted_ids and rng.random() < 0.5:
                     weights = rng.uniform(0, 2, size=len(bag)).round(3).tolist()
                     sparse[feature.name] = {"ids": bag, "weights": weights}
@@ -149,14 +167,20 @@ class Architecture(abc.ABC):
         if self.context_features(spec):
             request["context"] = rng.normal(size=self.context_features(spec)).round(4).tolist()
         if schema.context_sparse:
-            longest = [min(4 * max_bag, f.max_length or 4 * max_bag) for f in schema.context_sparse]
             request["context_sparse"] = {
-                f.name: rng.integers(0, f.rows, size=int(rng.integers(0, cap + 1))).tolist()
-                for f, cap in zip(schema.context_sparse, longest)
+                f.name: rng.integers(0, f.rows, size=_bag_size(rng, f, 4 * max_bag)).tolist()
+                for f in schema.context_sparse
             }
         if return_logits:
             request["return_logits"] = True
         return request
+
+
+def _bag_size(rng: np.random.Generator, feature: Feature, max_bag: int) -> int:
+    """A bag's size, uniform over what ``feature`` takes (``min_ids`` to ``max_ids`` or its
+    sequence's cap) within ``max_bag``, never below ``min_ids``."""
+    most = min(max_bag, feature.max_ids or max_bag, feature.max_length or max_bag)
+    return int(rng.integers(feature.min_ids, max(most, feature.min_ids) + 1))
 
 
 def _draw_ids(rng: np.random.Generator, feature: Feature, size: int, owned: np.ndarray | None) -> list[int]:
@@ -180,7 +204,9 @@ def _features(spec: Any) -> dict[str, Feature]:
         for name in table.features:
             raw = table.name if table.ids == IdSpace.RAW else None
             reserved = None if table.remap is None else RESERVED_RAW_ID[table.remap.kind]
-            found[name] = Feature(name, table.rows, cap, table.name if table.pruned_to else None, raw, reserved)
+            counts = table.ids_of(name)
+            pruned = table.name if table.pruned_to else None
+            found[name] = Feature(name, table.rows, cap, pruned, raw, reserved, counts.min, counts.max)
     return found
 
 

@@ -26,16 +26,19 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import Field, StrictBool, StrictStr, model_validator
 from torch import nn
 
 from handlers.modeling.remap_spec import IdSpace, RemapSpec
-from handlers.runtime.inputs import Limits, OutOfRangePolicy
-
-PositiveInt = Annotated[StrictInt, Field(gt=0)]
-Name = Annotated[StrictStr, Field(min_length=1)]
-LayerSizes = Annotated[tuple[PositiveInt, ...], Field(min_length=1)]
-
+from handlers.modeling.spec_sections import (  # noqa: F401  the spec's types, imported from here too
+    IdsPerItem,
+    LayerSizes,
+    LimitsSpec,
+    Name,
+    PositiveInt,
+    Section,
+)
+from handlers.runtime.inputs import OutOfRangePolicy
 
 class DensePrecision(str, enum.Enum):
     """How one dense submodule (an MLP) runs in the served model: a float dtype, or TorchAO int8
@@ -82,15 +85,11 @@ class ShardingType(str, enum.Enum):
     COLUMN_WISE = "column_wise"
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
-
-
 # TorchRec keeps a collection's tables in an nn.ModuleDict: a table may not take one of its names.
 _MODULE_DICT_ATTRIBUTES = frozenset(n for n in dir(nn.ModuleDict) if not n.startswith("_"))
 
 
-class TableSpec(_Section):
+class TableSpec(Section):
     """One embedding table: its rows, width, the features that look it up, and how it is served."""
 
     name: Name = Field(description="unique table name (its checkpoint key)")
@@ -106,6 +105,12 @@ class TableSpec(_Section):
         None,
         description="pooling none only: the most ids one sequence of its features holds (more is a "
         "400 naming the feature); default limits.max_ids_per_bag",
+    )
+    ids_per_item: IdsPerItem = Field(
+        IdsPerItem(), description="ids in one bag of each of its features (per request for a history)"
+    )
+    ids_per_feature: dict[Name, IdsPerItem] = Field(
+        {}, description="feature -> its ids per bag, where one of the table's features differs from ids_per_item"
     )
     weight_dtype: WeightDtype = Field(
         WeightDtype.INT8, description="served dtype (FBGEMM row-wise quantization for int8/int4/int2)"
@@ -127,6 +132,10 @@ class TableSpec(_Section):
         description="distributed serving: the embedding shard (its own TorchServe hosts) that "
         "serves this table; give every table one, or none",
     )
+
+    def ids_of(self, feature: str) -> IdsPerItem:
+        """The id counts one bag of ``feature`` (one of this table's) may hold."""
+        return self.ids_per_feature.get(feature, self.ids_per_item)
 
     @property
     def served_rows(self) -> int:
@@ -154,6 +163,9 @@ class TableSpec(_Section):
                     raise ValueError(f"{key}: ids raw: {why}")
             if self.rows % self.remap.buckets:
                 raise ValueError(f"remap.buckets: rows ({self.rows}) must split evenly into {self.remap.buckets} buckets")
+        unknown = sorted(set(self.ids_per_feature) - set(self.features))
+        if unknown:
+            raise ValueError(f"ids_per_feature.{unknown[0]}: not a feature of this table ({', '.join(self.features)})")
         if self.max_sequence_length is not None and self.pooling != Pooling.NONE:
             raise ValueError("max_sequence_length: only for sequence tables (pooling: none)")
         per_byte = self.weight_dtype.values_per_byte
@@ -172,7 +184,7 @@ class TableSpec(_Section):
         return self
 
 
-class ShardingSpec(_Section):
+class ShardingSpec(Section):
     """Where the model runs: ``world_size`` ranks of one device type."""
 
     device: Literal["cpu", "cuda"] = Field(
@@ -181,35 +193,7 @@ class ShardingSpec(_Section):
     world_size: PositiveInt = Field(1, description="ranks the tables are sharded over")
 
 
-class LimitsSpec(_Section):
-    """Caps on a single request; anything above is a 4xx naming the field."""
-
-    max_request_bytes: PositiveInt = Field(
-        Limits.max_request_bytes, description="bytes in one request body (gzip-decoded); more is a 413"
-    )
-    max_items_per_request: PositiveInt = Field(
-        Limits.max_items_per_request, description="items in one request"
-    )
-    max_ids_per_bag: PositiveInt = Field(Limits.max_ids_per_bag, description="ids in one bag")
-    max_items_per_forward: PositiveInt = Field(
-        Limits.max_items_per_forward,
-        description="items in one forward; a larger TorchServe batch runs as several forwards",
-    )
-
-    @model_validator(mode="after")
-    def _request_fits_a_forward(self) -> "LimitsSpec":
-        if self.max_items_per_request > self.max_items_per_forward:
-            raise ValueError(
-                "max_items_per_request: must not exceed max_items_per_forward "
-                f"({self.max_items_per_forward}), got {self.max_items_per_request}"
-            )
-        return self
-
-    def to_limits(self) -> Limits:
-        return Limits(**self.model_dump())
-
-
-class CheckpointMapping(_Section):
+class CheckpointMapping(Section):
     """Rewrites checkpoint parameter names into the model's, by prefix, in declaration order.
 
     ``{"model.": ""}`` strips the prefix of TorchRec's ``DLRMTrain`` wrapper; a full table prefix
@@ -227,7 +211,7 @@ class CheckpointMapping(_Section):
         return name
 
 
-class ModelSpec(_Section):
+class ModelSpec(Section):
     """What every architecture's spec has. ``dense_features``: per-item dense input width;
     ``weighted_ids``: every id may carry a float weight (weighted sum pooling);
     ``dense_precision``: submodule -> precision for the served model, fp32 where unnamed."""
@@ -271,6 +255,14 @@ class ModelSpec(_Section):
                 if f in seen_features:
                     raise ValueError(f"tables[{i}].features: feature {f!r} is used by two tables")
                 seen_features.add(f)
+            cap = t.max_sequence_length or self.limits.max_ids_per_bag
+            for f in t.features:
+                counts, key = t.ids_of(f), "ids_per_feature." + f if f in t.ids_per_feature else "ids_per_item"
+                if max(counts.min, counts.max or 0) > cap:
+                    raise ValueError(
+                        f"tables[{i}].{key}: at most the bag cap ({cap}: max_sequence_length or "
+                        f"limits.max_ids_per_bag), got {counts.max or counts.min}"
+                    )
             if self.weighted_ids and t.pooling != Pooling.SUM:
                 raise ValueError(
                     f"tables[{i}].pooling: weighted_ids needs sum pooling (per-id weights scale a "

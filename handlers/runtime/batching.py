@@ -17,7 +17,7 @@ from typing import Iterator, Sequence, Union
 import torch
 
 from handlers.runtime import fbgemm_ops  # noqa: F401  torch.ops.fbgemm.permute_1D_sparse_data
-from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds, RequestInputs, RequestTensor
+from handlers.runtime.inputs import BatchKind, InputSchema, InputTag, JaggedIds, RequestInputs, RequestTensor
 
 BatchInput = Union[torch.Tensor, JaggedIds]
 Batch = dict[str, BatchInput]
@@ -85,22 +85,28 @@ def _coalesce_jagged(parts: Sequence[JaggedIds]) -> JaggedIds:
     return JaggedIds(lengths=lengths, values=values, weights=weights)
 
 
-def padding_request(like: RequestInputs, tags: Sequence[InputTag], with_ids: bool = False) -> RequestInputs:
-    """One item of zero rows and empty bags, shaped like ``like``: fills a batch up to the size a
-    graph was captured for. Its output is dropped. ``with_ids``: its first bag of each jagged
-    input holds id 0 (a batch of no ids at all is one a captured graph refuses)."""
+def padding_request(
+    like: RequestInputs, schema: InputSchema, with_ids: bool = False
+) -> RequestInputs:
+    """One item of zero rows shaped like ``like``, each bag holding the fewest ids its feature
+    takes (``Feature.min_ids``, id 0): fills a batch up to the size a graph was captured for. Its
+    output is dropped. ``with_ids``: the first bag of each jagged input holds at least one id (a
+    batch of no ids at all is one a captured graph refuses)."""
     tensors: dict[str, RequestTensor] = {}
-    for tag in tags:
+    for tag in schema.tags:
         if tag.kind == BatchKind.ITEM_COUNTS:
             continue
         part = like.tensors[tag.name]
         if isinstance(part, JaggedIds):
-            lengths = part.lengths.new_zeros(len(tag.keys), 1)
-            lengths[0, 0] = int(with_ids)
+            features = schema.context_sparse if tag.kind == BatchKind.CONTEXT_JAGGED else schema.features
+            lengths = torch.tensor([[f.min_ids] for f in features], dtype=part.lengths.dtype)
+            if with_ids and not lengths.any():
+                lengths[0, 0] = 1
+            count = int(lengths.sum())
             tensors[tag.name] = JaggedIds(
                 lengths=lengths,
-                values=part.values.new_zeros(int(with_ids)),
-                weights=None if part.weights is None else part.weights.new_ones(int(with_ids)),
+                values=part.values.new_zeros(count),
+                weights=None if part.weights is None else part.weights.new_ones(count),
             )
         else:  # ROWS and CONTEXT: [1, ...] per item / per request
             tensors[tag.name] = part.new_zeros(1, *part.shape[1:])

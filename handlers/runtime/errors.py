@@ -37,12 +37,22 @@ class BadRequest(ServingError):
     status = 400
     REASONS = (
         "malformed_body", "unknown_field", "missing_field", "bad_value", "too_large",
-        "id_out_of_range", "unsupported_media",
+        "id_out_of_range", "unsupported_media", "model_refused",
     )
 
     def __init__(self, field: str, problem: str, reason: str = "bad_value") -> None:
         super().__init__(f"{field}: {problem}", field)
         self.reason = reason
+
+
+class ModelRefused(BadRequest):
+    """The model raised on this request alone, on its shapes or values (an assertion, an index
+    or size error: e.g. two ids where it takes one), while the requests batched beside it were
+    scored: 400, naming the model's error."""
+
+    def __init__(self, error: Exception) -> None:
+        message = str(error).strip().splitlines()[0][:300] if str(error).strip() else "(no message)"
+        super().__init__("request", f"the model cannot score it: {type(error).__name__}: {message}", "model_refused")
 
 
 class PayloadTooLarge(BadRequest):

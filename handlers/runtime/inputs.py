@@ -108,7 +108,8 @@ class Feature:
     it is pruned (some of its ids look up a zero row: ``handlers.runtime.pruned_ids``);
     ``raw_id_table``: the table's name where its ids are raw int64 ids, mapped to rows in the
     model (``handlers.runtime.unseen_ids``): any id but ``reserved_raw_id``, the one its remap
-    marks free slots with (``MCH_FREE_SLOT`` or ``ZCH_EMPTY_SLOT``)."""
+    marks free slots with (``MCH_FREE_SLOT`` or ``ZCH_EMPTY_SLOT``); ``min_ids`` / ``max_ids``:
+    the fewest and most ids one bag holds (the spec's ``ids_per_item``; None: the bag's cap)."""
 
     name: str
     rows: int
@@ -116,6 +117,8 @@ class Feature:
     pruned_table: str | None = None
     raw_id_table: str | None = None
     reserved_raw_id: int | None = None
+    min_ids: int = 0
+    max_ids: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -19,12 +20,12 @@ import torch
 
 from handlers.runtime.artifacts import Runner
 from handlers.runtime.batching import chunk_by_items, coalesce, padding_request, split_outputs
-from handlers.runtime.errors import BadRequest, InternalError, ServingError
-from handlers.runtime.inputs import InputSchema, JaggedIds, Output, RequestInputs
+from handlers.runtime.errors import BadRequest, InternalError, ModelRefused, ServingError
+from handlers.runtime.inputs import BatchKind, Feature, InputSchema, InputTag, JaggedIds, Output, RequestInputs
 from handlers.runtime.pruned_ids import PrunedIdCounter
 from handlers.runtime.unseen_ids import UnseenIdCounter
 from handlers.runtime.wire.decoder import RequestDecoder
-from handlers.runtime.wire.messages import Response
+from handlers.runtime.wire.messages import DecodedRequest, Response
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ STAGES = ("decode", "coalesce", "forward", "encode")
 class BatchStats:
     """One batch: milliseconds spent in each of ``STAGES``, the items of each forward, the
     requests refused by ``BadRequest`` reason, the ids the out-of-range policy hashed, and per
-    pruned table the ids that looked up a zero row. (A raw-id model counts its unseen ids in the
+    pruned table the ids that looked up a zero row; ``split_forwards``: the forwards that raised
+    and were split to find the requests that fail alone. (A raw-id model counts its unseen ids in the
     graph: ``ScoringService.unseen_ids``.)"""
 
     stage_ms: dict[str, float]
@@ -43,6 +45,7 @@ class BatchStats:
     rejected: dict[str, int]
     hashed_ids: int
     pruned_ids: dict[str, int] = dataclasses.field(default_factory=dict)
+    split_forwards: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,23 @@ class _Stopwatch:
             yield
         finally:
             self.ms[stage] += (time.perf_counter() - started) * 1000
+
+
+class _BatchInProgress:
+    """What ``ScoringService.handle`` gathers over one batch: an answer per request, and its stats."""
+
+    def __init__(self, payloads: Sequence[Any]) -> None:
+        self.watch = _Stopwatch()
+        self.responses: list[Response | None] = [None] * len(payloads)
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.forward_items: list[int] = []
+        self.split_forwards = 0
+
+    def answer(self, index: int, response: Response, error: ServingError) -> None:
+        """Request ``index`` failed with ``error``: a 4xx is counted by its reason."""
+        self.responses[index] = response
+        if error.status < 500:
+            self.rejected[error.reason if isinstance(error, BadRequest) else type(error).__name__] += 1
 
 
 class ScoringService:
@@ -99,58 +119,97 @@ class ScoringService:
         self.tags = schema.tags
         self.threads_for = threads_for
         self._scores = schema.output == Output.SCORES
+        self._raw_features = {  # each jagged input's raw-id features, as a mask over its keys
+            tag.name: mask
+            for tag in schema.tags
+            if tag.kind in (BatchKind.JAGGED, BatchKind.CONTEXT_JAGGED)
+            and (mask := torch.tensor([f.raw_id_table is not None for f in _features_of(schema, tag)])).any()
+        }
 
     def handle(self, payloads: Sequence[Any]) -> HandledBatch:
-        watch = _Stopwatch()
-        responses: list[Response | None] = [None] * len(payloads)
-        rejected: collections.Counter[str] = collections.Counter()
+        batch = _BatchInProgress(payloads)
         max_items = self.schema.limits.max_items_per_forward
-        with watch("decode"):
+        with batch.watch("decode"):
             decoded = self.decoder.decode_batch(payloads, max_items)
         for index, refusal in decoded.refused:
-            responses[index] = refusal.response()
-            error = refusal.error
-            rejected[error.reason if isinstance(error, BadRequest) else type(error).__name__] += 1
+            batch.answer(index, refusal.response(), refusal.error)
         parts = decoded.parts
         pruned: collections.Counter[str] = collections.Counter()
         if self.pruned_ids is not None:
             for part in parts:
                 pruned.update(self.pruned_ids.count(part.inputs))
-        forward_items = []
         for chunk in chunk_by_items([p.inputs for p in parts], max_items):
-            forward_items.append(sum(parts[i].inputs.num_items for i in chunk))
             positions = [index for i in chunk for index in parts[i].positions]
             encoders = [encoder for i in chunk for encoder in parts[i].encoders]
-            try:
-                output, counts = self._forward([parts[i].inputs for i in chunk], watch)
-            except ServingError as error:  # e.g. a dense host's shard is down: 503 naming it
-                logger.debug("forward of %d requests answered %d: %s", len(positions), error.status, error.message)
-                for index, encoder in zip(positions, encoders):
-                    responses[index] = encoder.error(error)
-                continue
-            except Exception:  # the model failed on validated input: a bug, not the client's
-                logger.exception("forward failed for a chunk of %d requests", len(positions))
-                for index, encoder in zip(positions, encoders):
-                    responses[index] = encoder.error(InternalError("model forward failed"))
-                continue
-            with watch("encode"):  # sigmoid once for the chunk, not once per request
-                logits = split_outputs(output, counts)
-                scores = split_outputs(torch.sigmoid(output), counts) if self._scores else [None] * len(counts)
-                for index, encoder, request_logits, request_scores in zip(positions, encoders, logits, scores):
-                    responses[index] = encoder.answer(request_logits, request_scores)
+            if self._score([parts[i].inputs for i in chunk], positions, encoders, batch):
+                # the forward raised: find the requests that fail alone, and score the others
+                batch.split_forwards += 1
+                self._score_apart([(index, self.decoder.decode(payloads[index])) for index in positions], batch)
         stats = BatchStats(
-            stage_ms=watch.ms,
-            forward_items=forward_items,
-            rejected=dict(rejected),
+            stage_ms=batch.watch.ms,
+            forward_items=batch.forward_items,
+            rejected=dict(batch.rejected),
             hashed_ids=sum(p.hashed_ids for p in parts),
             pruned_ids=dict(pruned),
+            split_forwards=batch.split_forwards,
         )
-        return HandledBatch(responses, stats)  # type: ignore[arg-type]  # every index answered
+        return HandledBatch(batch.responses, stats)  # type: ignore[arg-type]  # every index answered
+
+    def _score(
+        self, requests: Sequence[RequestInputs], positions: list[int], encoders: list[Any], batch: "_BatchInProgress"
+    ) -> bool:
+        """One forward over ``requests``, answering each at its position in ``batch``; True when
+        the model raised on more than one request (none answered: the caller scores them apart)."""
+        batch.forward_items.append(sum(r.num_items for r in requests))
+        try:
+            output, counts = self._forward(requests, batch.watch)
+        except ServingError as error:  # e.g. a dense host's shard is down: 503 naming it
+            logger.debug("forward of %d requests answered %d: %s", len(positions), error.status, error.message)
+            for index, encoder in zip(positions, encoders):
+                batch.answer(index, encoder.error(error), error)
+            return False
+        except Exception as error:
+            if len(positions) > 1:
+                return True
+            refusal = _model_error(error)
+            batch.answer(positions[0], encoders[0].error(refusal), refusal)
+            return False
+        with batch.watch("encode"):  # sigmoid once for the chunk, not once per request
+            logits = split_outputs(output, counts)
+            scores = split_outputs(torch.sigmoid(output), counts) if self._scores else [None] * len(counts)
+            for index, encoder, request_logits, request_scores in zip(positions, encoders, logits, scores):
+                batch.responses[index] = encoder.answer(request_logits, request_scores)
+        return False
+
+    def _score_apart(self, requests: list[tuple[int, DecodedRequest]], batch: "_BatchInProgress") -> None:
+        """Requests whose forward together raised (each decoded alone), scored in halves, then
+        alone where a half raises too: only a request that fails alone gets its error."""
+        middle = len(requests) // 2
+        for half in (requests[:middle], requests[middle:]):
+            positions = [index for index, _ in half]
+            encoders = [request.encoder for _, request in half]
+            if self._score([request.inputs for _, request in half], positions, encoders, batch):
+                self._score_apart(half, batch)
 
     def logits(self, requests: Sequence[RequestInputs]) -> list[torch.Tensor]:
         """One forward over all items of ``requests`` (each one request's inputs, or a part of
         several); logits [n_k] per request (an embedding shard's: embeddings [n_k, W])."""
         return split_outputs(*self._forward(requests, _Stopwatch()))
+
+    def _counting(self, requests: Sequence[RequestInputs], padded: Sequence[RequestInputs]) -> Any:
+        """How a forward's raw ids are counted: none of a forward that raises (its requests are
+        scored again), and none of one whose only raw ids are its padding's. A padding item
+        beside the clients' raw ids is counted with them: its feature's ``min_ids`` of id 0."""
+        if self.unseen_ids is None:
+            return contextlib.nullcontext()
+        padding_only = len(padded) > len(requests) and not any(self._raw_ids_in(r) for r in requests)
+        return self.unseen_ids.uncounted(unless_it_raises=not padding_only)
+
+    def _raw_ids_in(self, request: RequestInputs) -> bool:
+        return any(
+            bool(request.tensors[name].lengths[mask].any())  # type: ignore[union-attr]
+            for name, mask in self._raw_features.items()
+        )
 
     def _forward(self, requests: Sequence[RequestInputs], watch: _Stopwatch) -> tuple[torch.Tensor, list[int]]:
         """The forward's output for the items of ``requests``: logits [N] (an embedding shard's
@@ -159,22 +218,42 @@ class ScoringService:
             padded = list(requests)
             missing = self.schema.min_requests - sum(len(r.counts) for r in padded)
             if missing > 0:
-                padded += [padding_request(requests[0], self.tags)] * missing
+                padded += [padding_request(requests[0], self.schema)] * missing
             batch = coalesce(padded, self.tags)
-            padding_ids = any(isinstance(v, JaggedIds) and v.values.numel() == 0 for v in batch.values())
-            if padding_ids:
+            if any(isinstance(v, JaggedIds) and v.values.numel() == 0 for v in batch.values()):
                 # A graph captured by torch.export asserts that a jagged input holds some id.
-                padded.append(padding_request(requests[0], self.tags, with_ids=True))
+                padded.append(padding_request(requests[0], self.schema, with_ids=True))
                 batch = coalesce(padded, self.tags)
         if self.threads_for is not None:
             threads = self.threads_for(sum(r.num_items for r in padded))
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
-        uncounted = self.unseen_ids.uncounted() if padding_ids and self.unseen_ids else contextlib.nullcontext()
-        with watch("forward"), torch.inference_mode(), uncounted:  # the padding's id is not the client's
+        with watch("forward"), torch.inference_mode(), self._counting(requests, padded):
             output = self.model(batch).cpu()
         # scores: logits [N]; an embedding shard: each item's pooled embeddings as one row [N, W]
         output = output.reshape(-1) if self._scores else output.flatten(1)
         counts = [c for r in requests for c in r.counts]
         items = sum(counts)
         return (output if output.shape[0] == items else output[:items]), counts
+
+
+def _features_of(schema: InputSchema, tag: InputTag) -> tuple[Feature, ...]:
+    return schema.context_sparse if tag.kind == BatchKind.CONTEXT_JAGGED else schema.features
+
+
+# What a model raises on the shape or values of one request (a bag of two ids where it takes one):
+# the request is to blame, not the server.
+_INPUT_ERRORS = (AssertionError, IndexError, ValueError)
+_INPUT_ERROR_WORDS = re.compile(r"shape|size|dimension|out of (bounds|range)|index|assert", re.IGNORECASE)
+
+
+def _model_error(error: Exception) -> ServingError:
+    """A forward's exception on one request alone, as its answer: a 4xx naming the model's
+    error where the input is to blame, else a 500 (logged with its traceback)."""
+    if isinstance(error, _INPUT_ERRORS) or (
+        isinstance(error, RuntimeError) and _INPUT_ERROR_WORDS.search(str(error))
+    ):
+        logger.info("the model refused a request: %s: %s", type(error).__name__, error)
+        return ModelRefused(error)
+    logger.error("forward failed for one request", exc_info=error)
+    return InternalError("model forward failed")

@@ -47,10 +47,20 @@ class UnseenIdCounter:
         return total.tolist()
 
     @contextlib.contextmanager
-    def uncounted(self) -> Iterator[None]:
-        """What the model counts within this block is left out of ``since_last``."""
+    def uncounted(self, unless_it_raises: bool = False) -> Iterator[None]:
+        """What the model counts within this block is left out of ``since_last``; with
+        ``unless_it_raises``, only if the block raises (a failed forward's ids are counted again
+        when its requests are scored apart)."""
         before = self._now()
-        yield
+        try:
+            yield
+        except BaseException:
+            self._leave_out(before)
+            raise
+        if not unless_it_raises:
+            self._leave_out(before)
+
+    def _leave_out(self, before: list[list[int]]) -> None:
         after = self._now()
         self._last = [[last + a - b for last, a, b in zip(*rows)] for rows in zip(self._last, after, before)]
 

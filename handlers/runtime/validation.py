@@ -56,9 +56,12 @@ class _IdChecks:
         self.all_raw = len(features) > 0 and bool(self.raw.all())
         self.one_reserved = int(self.reserved[0]) if len(set(self.reserved.tolist())) == 1 else None
         self.rows = np.asarray([f.rows for f in features], np.int64)  # a raw-id feature's: not a bound
-        self.caps = np.asarray([f.max_length or bag_cap for f in features], dtype=np.int64)
+        self.caps = np.asarray([f.max_ids or f.max_length or bag_cap for f in features], dtype=np.int64)
         self.smallest_cap = int(self.caps.min()) if len(features) else bag_cap
+        self.counted = [f.max_ids is not None for f in features]  # the spec's ids_per_item.max
         self.sequences = [f.max_length is not None for f in features]
+        self.mins = np.asarray([f.min_ids for f in features], dtype=np.int64)
+        self.largest_min = int(self.mins.max()) if len(features) else 0
         self.policy = policy
 
     def check(self, ids: np.ndarray, lengths: np.ndarray, field_of: FieldOf) -> tuple[np.ndarray, int]:
@@ -66,11 +69,10 @@ class _IdChecks:
         if over is not None and over.any():
             f, i = np.unravel_index(int(np.argmax(over)), lengths.shape)
             cap, what = int(self.caps[f]), "sequence" if self.sequences[f] else "bag"
-            raise BadRequest(
-                field_of(int(f), int(i), None),
-                f"{int(lengths[f, i])} ids exceed the limit of {cap} per {what}",
-                "too_large",
-            )
+            limit = f"the limit of {cap} per {what}" + (" (ids_per_item.max)" if self.counted[f] else "")
+            raise BadRequest(field_of(int(f), int(i), None), f"{int(lengths[f, i])} ids exceed {limit}", "too_large")
+        if self.largest_min and lengths.size:
+            self._refuse_too_few(lengths, field_of)
         per_feature = lengths.sum(axis=1)
         if self.all_raw:
             self._refuse_reserved(ids, lengths, per_feature, field_of, raw=None)
@@ -97,6 +99,20 @@ class _IdChecks:
                 "id_out_of_range",
             )
         return ids, 0
+
+    def _refuse_too_few(self, lengths: np.ndarray, field_of: FieldOf) -> None:
+        """Raises ``BadRequest`` at the first bag holding fewer ids than its feature's ``min_ids``
+        (a feature the model needs, left out or sent empty)."""
+        under = lengths < self.mins[:, None]
+        if under.any():
+            f, i = np.unravel_index(int(np.argmax(under)), lengths.shape)
+            least, got = int(self.mins[f]), int(lengths[f, i])
+            raise BadRequest(
+                field_of(int(f), int(i), None),
+                f"required: the model takes at least {least} id{'s' if least > 1 else ''} here "
+                f"(ids_per_item.min), got {got}",
+                "missing_field" if got == 0 else "bad_value",
+            )
 
     def _refuse_reserved(
         self, ids: np.ndarray, lengths: np.ndarray, per_feature: np.ndarray, field_of: FieldOf, raw: np.ndarray | None

@@ -3,9 +3,10 @@ e.g. a user's history), in the items and the columnar forms alike:
 
     {"items": [...], "context_sparse": {"history": [ids, oldest first, ...]}}
 
-A feature left out is an empty sequence (valid: a new user has no history). Each feature's ids
-are checked like the items' (table rows, the out-of-range policy, the feature's ``max_length``),
-and errors name them: ``context_sparse.history[3]``.
+A feature left out is an empty sequence (valid: a new user has no history, unless the spec's
+``ids_per_item.min`` says otherwise). Each feature's ids are checked like the items' (table rows,
+the out-of-range policy, the feature's ``max_length`` and id counts), and errors name them:
+``context_sparse.history[3]``.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
     {"items": [{"dense": [13 floats], "sparse": {"cat_0": [ids...], ...}}, ...]}
 
-A feature left out of an item is an empty bag. With ``weighted_ids`` a bag is ``[ids...]``
-(weights 1) or ``{"ids": [...], "weights": [...]}``.
+A feature left out of an item is an empty bag (a 400 where the spec's ``ids_per_item.min`` needs
+ids). With ``weighted_ids`` a bag is ``[ids...]`` (weights 1) or ``{"ids": [...], "weights": [...]}``.
 """
 
 from __future__ import annotations

@@ -145,6 +145,11 @@ def _edit(path, value):
         (["tables", 0], {**_RAW_USER, "sharding": "table_wise"}, "tables[0].sharding: ids raw: raw-id tables are served unsharded"),
         (["tables", 0], {**_RAW_USER, "shard": "a"}, "tables[0].shard: ids raw: raw-id tables are not placed on shards yet"),
         (["tables", 0], {**_RAW_USER, "pooling": "none"}, "tables[0].pooling: ids raw: sequence tables with raw ids"),
+        (["tables", 0, "ids_per_item"], {"min": 2, "max": 1}, "tables[0].ids_per_item.max: must be at least min (2), got 1"),
+        (["tables", 0, "ids_per_item"], {"min": -1}, "tables[0].ids_per_item.min: must be greater than or equal to 0"),
+        (["tables", 0, "ids_per_item"], {"max": 65}, "tables[0].ids_per_item: at most the bag cap (64"),
+        (["tables", 1, "ids_per_feature"], {"last_item_id": {"min": 70}}, "tables[1].ids_per_feature.last_item_id: at most the bag cap (64"),
+        (["tables", 1, "ids_per_feature"], {"user_id": {"min": 1}}, "tables[1].ids_per_feature.user_id: not a feature of this table"),
     ],
 )
 def test_bad_spec_names_the_key(path, value, message):
@@ -171,6 +176,14 @@ def test_invalid_yaml(tmp_path):
     (tmp_path / "bad.yaml").write_text("name: [unclosed")
     with pytest.raises(SpecError, match="not valid YAML"):
         load_spec(tmp_path / "bad.yaml")
+
+
+def test_id_counts_per_table_and_per_feature():
+    raw = _edit(["tables", 1, "ids_per_item"], {"min": 1, "max": 1})
+    raw["tables"][1]["ids_per_feature"] = {"last_item_id": {"min": 0, "max": 5}}
+    table = parse_spec(raw).tables[1]
+    assert (table.ids_of("item_id").min, table.ids_of("item_id").max) == (1, 1)
+    assert (table.ids_of("last_item_id").min, table.ids_of("last_item_id").max) == (0, 5)
 
 
 def test_checkpoint_mapping_applies_prefixes_in_order():

@@ -135,7 +135,7 @@ def test_padding_request_is_one_empty_item_that_changes_no_score(served_models):
     for spec, model in served_models:
         service = eager_service(spec, model)
         request = service.decoder.decode(_request(spec, 5, 6, seed=9)).inputs
-        pad = padding_request(request, service.tags)
+        pad = padding_request(request, service.schema)
         assert pad.num_items == 1
         for tag in service.tags:
             if tag.kind == BatchKind.JAGGED:

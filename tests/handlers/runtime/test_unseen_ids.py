@@ -50,6 +50,19 @@ def test_two_collections_counts_add_up_per_table_and_uncounted_work_is_left_out(
     assert counter.since_last() == ({"a": 0, "b": 1}, {"a": 0, "b": 1})
 
 
+def test_a_forward_that_raises_is_left_out_and_one_that_succeeds_is_counted():
+    """``uncounted(unless_it_raises=True)``: a forward that raised is scored again apart (its ids
+    would count twice); one that did not keeps its counts."""
+    counts = torch.zeros((2, 1), dtype=torch.int64)
+    counter = UnseenIdCounter.of_runner(_Schema(["a"]), _Runner(_Counted(counts)))
+    with pytest.raises(RuntimeError), counter.uncounted(unless_it_raises=True):
+        counts += 5
+        raise RuntimeError("the forward failed after its remap counted")
+    with counter.uncounted(unless_it_raises=True):
+        counts += torch.tensor([[1], [3]])
+    assert counter.since_last() == ({"a": 1}, {"a": 3})
+
+
 def test_a_model_that_does_not_count_its_raw_ids_is_refused_naming_the_tables():
     with pytest.raises(ValueError, match=r"raw-id tables \['a', 'b'\]: .* \[2, 2\] \(found \[\[2, 1\]\]\).*rebuild"):
         UnseenIdCounter.of_runner(_Schema(["a", "b"]), _Runner(_Counted(torch.zeros((2, 1), dtype=torch.int64))))
