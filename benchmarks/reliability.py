@@ -29,6 +29,8 @@ Writes ``benchmarks/results/SCENARIO/reliability.json`` (the keys below), ``summ
 * ``register_during_load_inference_p99_ms``, ``inference_p99_ms_baseline``: 50% load while a
   second model registers synchronously, against the same load without;
 * ``version_swap_failed_requests``: register version 2.0, set it default, unregister 1.0, under load;
+* ``poisoned_*`` (``benchmarks.poisoned``): 1% of requests that the model itself refuses, at half
+  the max load: the good requests' failures (none) and p99 against a clean load's;
 * ``fuzz_cases``, ``fuzz_5xx``: mutated bodies (truncated, wrong types, huge values, duplicate
   keys, bad encodings, ...), and whether the worker stayed up;
 * ``token_expiry_client_errors``: a server whose keys expire every 3 s, served for 10 key lifetimes
@@ -56,6 +58,7 @@ from benchmarks.disruptions import failed, hang_worker, kill_worker, ok, overloa
 from benchmarks.fuzz import fuzz_cases
 from benchmarks.load import BackgroundLoad, LoadResult, run_closed_loop, run_open_loop
 from benchmarks.memory import model_workers
+from benchmarks.poisoned import build_lenient, poisoned_load
 from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS
 from benchmarks.reliability_report import plot, summary
 from benchmarks.traffic import Traffic, TrafficModel
@@ -123,11 +126,13 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
     shutil.rmtree(store, ignore_errors=True)
     versions = ("1.0",) if "version_swap" in scenario.skip else ("1.0", "2.0")
     with ThreadPoolExecutor(2) as builds:  # child processes, mostly importing torch
+        lenient = builds.submit(build_lenient, store / "1.0")
         list(builds.map(lambda version: _build(scenario, store / version, version), versions))
+        lenient.result()
     name = spec.name
     figures: dict = {"scenario": scenario.name, "skipped_phases": sorted(scenario.skip)}
     timelines: dict[str, tuple[LoadResult, float]] = {}
-    phases = tqdm(total=11, desc=scenario.name, unit="phase")
+    phases = tqdm(total=12, desc=scenario.name, unit="phase")
 
     def phase(label: str) -> None:
         phases.set_postfix_str(label)
@@ -146,6 +151,8 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
         figures.update(_soak(server, url, auth, one_item, 0.8 * max_rps, scenario.soak_s))
         phase("soak")
         _disruptions(server, scenario, name, one_item, max_rps, figures, timelines, phase)
+        figures.update(poisoned_load(server, 0.5 * max_rps, scenario.phase_s))
+        phase("poisoned requests")
         figures.update(_fuzz(server, name, one_item, scenario.fuzz_cases))
         phase("fuzz")
         figures.update(_logs(server, url, auth, one_item, scenario.log_rate, scenario.log_s))

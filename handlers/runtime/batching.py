@@ -100,8 +100,8 @@ def padding_request(
         if isinstance(part, JaggedIds):
             features = schema.context_sparse if tag.kind == BatchKind.CONTEXT_JAGGED else schema.features
             lengths = torch.tensor([[f.min_ids] for f in features], dtype=part.lengths.dtype)
-            if with_ids and not lengths.any():
-                lengths[0, 0] = 1
+            if with_ids:
+                lengths[0, 0] = max(int(lengths[0, 0]), 1)
             count = int(lengths.sum())
             tensors[tag.name] = JaggedIds(
                 lengths=lengths,

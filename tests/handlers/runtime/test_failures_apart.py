@@ -89,6 +89,8 @@ def test_padding_items_hold_each_features_fewest_ids():
     with_ids = padding_request(like, schema, with_ids=True)
     assert with_ids.tensors[schema.context_jagged.name].lengths.tolist() == [[1]]
     assert with_ids.tensors[schema.jagged.name].lengths.tolist() == [[1], [2]]
+    lenient = input_schema(_spec(category=IdsPerItem(min=2)))  # the first bag gets an id, min 0 or not
+    assert padding_request(like, lenient, with_ids=True).tensors[schema.jagged.name].lengths.tolist() == [[1], [2]]
 
 
 def test_synthetic_requests_keep_to_the_spec_counts():
