@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from archive_tools.export import compile_aoti, export_model, table_constants
+from archive_tools.model_errors import describe_batch, raised_by_model
 from handlers.modeling.eager import EagerModel, load_eager_model
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.raw_ids import served_slot_maps
@@ -60,19 +61,21 @@ def capture(staging: Path, artifact: Artifact, split: SplitPlan | None) -> None:
         [decoder.decode(synthetic_request(spec, n, seed=n)).inputs for n in (3, 5, 2)], tags
     )
     if split is None:
-        program = export_model(eager.module, tags, example, spec.min_requests)
+        with raised_by_model("capture", lambda: describe_batch(example, tags)):
+            program = export_model(eager.module, tags, example, spec.min_requests)
         _save_graph(program, staging, artifact, "model", served_slot_maps(eager.module))
         _name_table_constants(staging, eager.module)
     else:
         sparse, dense = architecture_of(spec).split(eager.module)
-        with torch.inference_mode():
-            embeddings = EagerModel(sparse, sparse_tags(tags))(example)
-        if split.sparse != Artifact.EAGER:
-            program = export_model(sparse, sparse_tags(tags), example)
-            _save_graph(program, staging, split.sparse, "sparse", served_slot_maps(sparse))
-            _name_table_constants(staging, sparse)
-        dense_example = {**example, EMBEDDINGS_INPUT: embeddings}
-        program = export_model(dense, dense_tags(tags), dense_example, spec.min_requests)
+        with raised_by_model("capture", lambda: describe_batch(example, tags)):
+            with torch.inference_mode():
+                embeddings = EagerModel(sparse, sparse_tags(tags))(example)
+            if split.sparse != Artifact.EAGER:
+                program = export_model(sparse, sparse_tags(tags), example)
+                _save_graph(program, staging, split.sparse, "sparse", served_slot_maps(sparse))
+                _name_table_constants(staging, sparse)
+            dense_example = {**example, EMBEDDINGS_INPUT: embeddings}
+            program = export_model(dense, dense_tags(tags), dense_example, spec.min_requests)
         _save_graph(program, staging, split.dense, "dense")
     del eager  # its tables are mapped from weights.pt, about to be replaced
     if split is None or split.sparse != Artifact.EAGER:

@@ -32,6 +32,7 @@ from archive_tools import cli_args
 from archive_tools.build import build_archive
 from archive_tools.cli_args import DISTRIBUTED
 from archive_tools.model_config import ServingConfig
+from archive_tools.model_errors import ModelRaised
 from archive_tools.pipeline import VerificationFailed
 from archive_tools.delta import DeltaSource, make_delta, verify_delta
 from archive_tools.distributed import build_distributed, split_delta
@@ -64,6 +65,7 @@ EXIT_CODES = {
     FileNotFoundError: 7,
     FileExistsError: 7,
     VerificationFailed: 8,
+    ModelRaised: 9,
     InputError: 2,
 }
 INTERNAL_ERROR = 1
@@ -305,7 +307,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Build, verify, serve and benchmark TorchRec models on TorchServe.",
         epilog="exit codes: 0 ok, 1 internal error (a bug: --debug shows it), 2 bad arguments, 3 bad "
         "spec, 4 checkpoint does not match, 5 bad validation file, 6 TorchServe failed, 7 missing or "
-        "existing file, 8 verification failed (plan: the budget does not hold)",
+        "existing file, 8 verification failed (plan: the budget does not hold), 9 the model raised (its "
+        "own code, on a request the build made or read)",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -18,10 +18,11 @@ import orjson
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
+from archive_tools.model_errors import describe_batch, raised_by_model
 from archive_tools.validation_data import ValidationData, ValidationDataError
 from handlers.modeling.registry import synthetic_request
 from handlers.modeling.spec import ModelSpec
-from handlers.runtime.batching import chunk_by_items
+from handlers.runtime.batching import chunk_by_items, coalesce
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.messages import Rejected
 
@@ -49,7 +50,8 @@ def generated_validation(
     ]
     origins = [f"generated request {k}" for k in range(num_requests)]
     data = ValidationData(requests, None, "generated", origins)
-    logits = torch.logit(torch.cat(_scores(reference, data)).double(), eps=1e-12)
+    scored = _scores(reference, data, "verification (the float model labelling generated requests)")
+    logits = torch.logit(torch.cat(scored).double(), eps=1e-12)
     z = (logits - logits.mean()) / logits.std().clamp_min(1e-12)
     generator = torch.Generator().manual_seed(seed)
     clicks = torch.bernoulli(torch.sigmoid(2 * z), generator=generator).int()
@@ -109,8 +111,8 @@ class VerificationReport:
 def verify(
     served: ScoringService, reference: ScoringService, data: ValidationData, bounds: Bounds
 ) -> VerificationReport:
-    served_scores = torch.cat(_scores(served, data))
-    reference_scores = torch.cat(_scores(reference, data))
+    served_scores = torch.cat(_scores(served, data, "verification (the served model)"))
+    reference_scores = torch.cat(_scores(reference, data, "verification (the reference model)"))
     diff = (served_scores - reference_scores).abs()
     max_abs = float(diff.max())
     max_rel = float((diff / reference_scores.clamp_min(1e-12)).max())
@@ -181,9 +183,10 @@ def normalized_entropy(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return log_loss(scores, labels) / base_rate_log_loss(labels)
 
 
-def _scores(service: ScoringService, data: ValidationData) -> list[torch.Tensor]:
+def _scores(service: ScoringService, data: ValidationData, stage: str) -> list[torch.Tensor]:
     """Click probabilities per request, through the service's own decoder and coalescer; a
-    request it refuses names its line."""
+    request it refuses names its line, an error of the model's own names the batch
+    (``model_errors``, ``stage``: what the build was doing)."""
     inputs = []
     for request, origin in zip(data.requests, data.origins):
         try:
@@ -199,5 +202,11 @@ def _scores(service: ScoringService, data: ValidationData) -> list[torch.Tensor]
                 )
     scores: list[torch.Tensor] = []
     for chunk in chunk_by_items(inputs, service.schema.limits.max_items_per_forward):
-        scores += [torch.sigmoid(logits) for logits in service.logits([inputs[i] for i in chunk])]
+        requests = [inputs[i] for i in chunk]
+
+        def shape() -> str:
+            return describe_batch(coalesce(requests, service.tags), service.tags, len(requests))
+
+        with raised_by_model(stage, shape):
+            scores += [torch.sigmoid(logits) for logits in service.logits(requests)]
     return scores

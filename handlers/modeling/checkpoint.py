@@ -3,19 +3,24 @@
 Training wrappers prefix every name: TorchRec's ``DLRMTrain`` with ``model.``, DDP and
 ``DataParallel`` with ``module.``, ``torch.compile`` with ``_orig_mod.``. Without a
 ``checkpoint_mapping`` in the spec, a checkpoint whose every name carries one of these prefixes,
-and matches the model once it is stripped, is loaded with it stripped (and says so). A ZCH
-table's training-only state (its eviction metadata) is left out.
+and matches the model once it is stripped, is loaded with it stripped (and says so). A raw-id
+collection saved as TorchRec's own ``ManagedCollisionEmbeddingBagCollection`` loads as one saved
+as its ``McEmbeddingBagCollectionAdapter`` (the float model's names) does. A ZCH table's
+training-only state (its eviction metadata) is left out.
 """
 
 from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
+from handlers.modeling.checkpoint_names import mismatch
 from handlers.modeling.errors import CheckpointError
+from handlers.modeling.raw_ids import torchrec_naming
 from handlers.modeling.spec import CheckpointMapping
 from handlers.modeling.tbe import ZCH_TRAINING_STATE
 
@@ -47,56 +52,57 @@ def load_checkpoint(
     skip: tuple[str, ...] | None = None,
 ) -> str | None:
     """Loads a trained state dict strictly, after the spec's name mapping (or a training
-    wrapper's prefix, detected where the spec maps nothing). Returns what was stripped, if a
-    wrapper was detected. ``skip``: prefixes of the model's names (its tables) neither loaded nor
-    expected, so that a checkpoint of the other weights alone loads too.
+    wrapper's prefix, detected where the spec maps nothing). Returns what it read otherwise than
+    named, if anything: a wrapper's prefix stripped, TorchRec's own managed-collision names read.
+    ``skip``: prefixes of the model's names (its tables) neither loaded nor expected, so that a
+    checkpoint of the other weights alone loads too.
 
-    Raises ``CheckpointError`` listing every missing, unexpected and mis-shaped key at once.
+    Raises ``CheckpointError`` with the missing, unexpected and mis-shaped names, counted, and the
+    mapping or setting that would match them (``checkpoint_names``).
     """
     expected = {k: v for k, v in model.state_dict().items() if skip is None or not k.startswith(skip)}
     # a ZCH training's eviction metadata: not served (the model's ZCH modules are inference ones)
     state_dict = {k: v for k, v in state_dict.items() if k.rsplit(".", 1)[-1] not in ZCH_TRAINING_STATE}
-    detected = None if mapping.prefixes else _wrapper_prefix(state_dict, set(expected), skip)
+    # a raw-id collection saved as TorchRec's own ManagedCollisionEmbeddingBagCollection, not its adapter
+    own = CheckpointMapping(prefixes=torchrec_naming(model))
+
+    def model_name(name: str, spec_mapping: CheckpointMapping) -> str:
+        return own.apply(spec_mapping.apply(name))
+
+    def names_under(spec_mapping: CheckpointMapping) -> set[str]:
+        names = {model_name(k, spec_mapping) for k in state_dict}
+        return {n for n in names if skip is None or not n.startswith(skip)}
+
+    detected = None if mapping.prefixes else _wrapper_prefix(set(state_dict), set(expected), names_under)
     if detected is not None:
         mapping = CheckpointMapping(prefixes={detected: ""})
-    mapped = {mapping.apply(k): v for k, v in state_dict.items()}
+    mapped = {model_name(k, mapping): v for k, v in state_dict.items()}
     if skip is not None:
         mapped = {k: v for k, v in mapped.items() if not k.startswith(skip)}
-    missing = sorted(set(expected) - set(mapped))
-    unexpected = sorted(set(mapped) - set(expected))
     misshaped = sorted(
         f"{k}: checkpoint {tuple(mapped[k].shape)} vs model {tuple(expected[k].shape)}"
         for k in set(mapped) & set(expected)
         if mapped[k].shape != expected[k].shape
     )
-    problems = [
-        f"{label}: {', '.join(keys)}"
-        for label, keys in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped))
-        if keys
-    ]
-    if problems:
-        raise CheckpointError(
-            "checkpoint does not match the spec (after checkpoint_mapping): "
-            + "; ".join(problems)
-            + ". Map other names with checkpoint_mapping.prefixes in the spec; shapes come from "
-            "its tables (rows, dim) and MLP sizes"
-        )
+    if set(mapped) != set(expected) or misshaped:
+        raise CheckpointError(mismatch(names_under, mapping, set(expected), misshaped))
     model.load_state_dict(mapped, strict=skip is None)
-    if detected is None:
-        return None
-    return f"stripped the prefix {detected!r} of {WRAPPER_PREFIXES[detected]}'s wrapper"
+    notes = [f"stripped the prefix {detected!r} of {WRAPPER_PREFIXES[detected]}'s wrapper"] if detected else []
+    renamed = sorted({old for k in state_dict for old in own.prefixes if mapping.apply(k).startswith(old)})
+    if renamed:
+        at = sorted({old.rsplit(".", 2)[0] for old in renamed})
+        notes.append(f"read TorchRec's ManagedCollisionEmbeddingBagCollection names at {', '.join(at)} "
+                     "as its McEmbeddingBagCollectionAdapter's")
+    return "; ".join(notes) or None
 
 
 def _wrapper_prefix(
-    state_dict: dict[str, torch.Tensor], expected: set[str], skip: tuple[str, ...] | None
+    names: set[str], expected: set[str], names_under: Callable[[CheckpointMapping], set[str]]
 ) -> str | None:
-    def kept(names: set[str]) -> set[str]:
-        return {n for n in names if skip is None or not n.startswith(skip)}
-
-    names = set(state_dict)
-    if kept(names) == expected:
+    if names_under(CheckpointMapping()) == expected:
         return None
     for prefix in WRAPPER_PREFIXES:
-        if all(n.startswith(prefix) for n in names) and kept({n[len(prefix):] for n in names}) == expected:
+        stripped = CheckpointMapping(prefixes={prefix: ""})
+        if all(n.startswith(prefix) for n in names) and names_under(stripped) == expected:
             return prefix
     return None

@@ -14,6 +14,7 @@ searches, which workers map from the weights file and use in place.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Mapping, Sequence
 
@@ -177,6 +178,33 @@ class RawIdBags(nn.Module):
             stride=features.stride(),
         )
         return self.bags(remapped)
+
+
+def torchrec_naming(model: nn.Module) -> dict[str, str]:
+    """Prefix rules from the state names TorchRec's own ``ManagedCollisionEmbeddingBagCollection``
+    has where the float model holds a ``ManagedBags`` to the model's (those of TorchRec's adapter,
+    one level deeper), e.g. ``{"sparse_arch.embedding_bag_collection._embedding_module.":
+    "sparse_arch.embedding_bag_collection.mc_embedding_bag_collection._embedding_module.", ...}``."""
+    rules = {}
+    for path, module in model.named_modules():
+        if isinstance(module, ManagedBags):
+            at = f"{path}." if path else ""
+            for child, _ in module.mc_embedding_bag_collection.named_children():
+                rules[f"{at}{child}."] = f"{at}mc_embedding_bag_collection.{child}."
+    return rules
+
+
+@functools.cache
+def mch_eviction_state() -> dict[MchEviction, frozenset[str]]:
+    """The state an MCH table keeps for its eviction policy alone (the names' last part), per
+    policy: ``lfu``: ``_mch_counts``, ``lru``: ``_mch_last_access_iter``, ``distance_lfu``: both."""
+    cpu = torch.device("cpu")
+    names = {
+        eviction: frozenset(MCHManagedCollisionModule(2, cpu, policy(), eviction_interval=1).state_dict())
+        for eviction, policy in _EVICTION.items()
+    }
+    shared = frozenset.intersection(*names.values())
+    return {eviction: state - shared for eviction, state in names.items()}
 
 
 def slot_owners(model: nn.Module) -> dict[str, torch.Tensor]:
