@@ -1,15 +1,20 @@
 """A delta's dense part: the dense weights a checkpoint gives, in the form the archive serves them,
 and which dense modules differ from what the archive (or a delta) serves, compared as the served
-model holds them (the spec's dense precision applied, so a bf16 or int8 round trip is no change).
+model holds them (the spec's dense precision applied: a float change a bf16 layer rounds away is none).
 
     served_dense(archive, spec, checkpoint)       # what --dense carries: {name: tensor}
     dense_changes(archive, spec, checkpoint)      # {module: max |diff|}: what a delta without it drops
     verify_dense(archive, spec, carried, checkpoint)  # modules the archive plus a delta serves otherwise
+
+The archive's own dense weights, by kind: an eager archive's float ones in ``weights.pt`` (the
+dense precision applied as a worker loads them), a compiled package's constants, an exported
+dense part's program state.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -24,6 +29,7 @@ from handlers.runtime.artifacts import Artifact
 from handlers.runtime.errors import InputError
 from handlers.runtime.freshness.delta_file import dense_shapes
 from handlers.runtime.freshness.dense import is_table_constant
+from handlers.runtime.quiet import quieter
 
 
 def served_dense(archive: Archive, spec: ModelSpec, checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -32,22 +38,14 @@ def served_dense(archive: Archive, spec: ModelSpec, checkpoint: dict[str, torch.
     (in the spec's dense precision, TorchAO's int8 weights as their inner tensors)."""
     factory = DLRMFactory(spec)
     dense = factory.dense_weights(checkpoint)
-    options = archive.options
-    part = "dense" if options.split is not None else "model"
     kind = _swapped_kind(archive)
     if kind == Artifact.EAGER:
         served, current = dense, _archive_dense(factory, archive)
     elif kind == Artifact.AOTI:
-        model = factory.dense_model(dense)
-        if options.split is not None:
-            model = factory.architecture.split(model)[1]
-        state = {**dict(model.named_parameters(prefix="model")), **dict(model.named_buffers(prefix="model"))}
-        current = torch.load(archive.file(aoti_weights_file(Path(kind.file_name(part))).name), mmap=True, weights_only=True)
-        current = {n: t for n, t in current.items() if not is_table_constant(n)}
-        served = {n: package_constant(state, n) for n in current}
+        served, current = _package_constants(factory, archive, dense)
     else:
-        raise InputError(f"a {options.describe()} archive cannot swap dense weights: build it as aoti or eager "
-                         "(or a split with an aoti dense part)")
+        raise InputError(f"a {archive.options.describe()} archive cannot swap dense weights: build it as aoti or "
+                         "eager (or a split with an aoti dense part)")
     missing = sorted(n for n, t in served.items() if t is None)
     if missing or set(served) != set(current):
         raise InputError(f"the served dense weights {sorted(current)} and the checkpoint's {sorted(served)} differ "
@@ -63,8 +61,18 @@ def dense_changes(archive: Archive, spec: ModelSpec, checkpoint: dict[str, torch
     the spec's checkpoint mapping), each with the largest |difference| of its served values:
     ``{"over_arch.model.0": 0.03}``; empty when the checkpoint serves the archive's dense weights."""
     factory = DLRMFactory(spec)
-    return _differing(served_state(factory, _archive_dense(factory, archive)),
-                      served_state(factory, factory.dense_weights(checkpoint)))
+    dense = factory.dense_weights(checkpoint)
+    kind = _swapped_kind(archive)
+    if kind == Artifact.EAGER:  # the float weights, given the dense precision as a worker loads them
+        current = _state(factory.dense_model(_archive_dense(factory, archive)))
+        new = _state(factory.dense_model(dense))
+    elif kind == Artifact.AOTI:
+        new, current = _package_constants(factory, archive, dense)
+    else:  # an exported dense part: its program's weights
+        with quieter("torch._export.serde.serialize"):
+            current = torch.export.load(str(archive.file(kind.file_name("dense")))).state_dict
+        new = {f"model.{n}": t for n, t in _state(factory.architecture.split(factory.dense_model(dense))[1]).items()}
+    return _differing(current, new, _namer(archive, spec))
 
 
 def verify_dense(
@@ -77,17 +85,8 @@ def verify_dense(
     fresh = served_dense(archive, spec, checkpoint)
     if _swapped_kind(archive) == Artifact.EAGER:  # float weights, given the dense precision as they load
         factory = DLRMFactory(spec)
-        carried, fresh = served_state(factory, carried), served_state(factory, fresh)
-    return list(_differing(carried, fresh))
-
-
-def served_state(factory: DLRMFactory, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Float dense weights -> the tensors the served model holds for them (the spec's dense
-    precision applied: bf16 tensors, TorchAO int8 weights), by the float model's names."""
-    model = factory.dense_model(dense)
-    tables = table_prefixes(model)
-    return {float_name(n, factory.spec): t.detach() for n, t in model.state_dict().items()
-            if not n.startswith(tables) and not is_table_constant(n)}
+        carried, fresh = _state(factory.dense_model(carried)), _state(factory.dense_model(fresh))
+    return list(_differing(carried, fresh, _namer(archive, spec)))
 
 
 def refusal(changes: dict[str, float], checkpoint: Path) -> str:
@@ -96,14 +95,17 @@ def refusal(changes: dict[str, float], checkpoint: Path) -> str:
             f"add --dense {checkpoint} to swap them, or --rows-only to publish the rows alone")
 
 
-def _differing(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, float]:
-    """{module: max |diff| of its values} over the tensors whose served bytes differ."""
+def _differing(
+    old: dict[str, torch.Tensor | None], new: dict[str, torch.Tensor | None], named: Callable[[str], str]
+) -> dict[str, float]:
+    """{module: max |diff| of its values} over the tensors whose served bytes differ, the module
+    named as ``named`` names its tensor's."""
     changes: dict[str, float] = {}
     for name in sorted(old.keys() | new.keys()):
         a, b = old.get(name), new.get(name)
         if a is not None and b is not None and _same(a, b):
             continue
-        module = _module(name)
+        module = _module(named(name))
         diff = float("inf") if a is None or b is None or a.shape != b.shape else _max_diff(a, b)
         changes[module] = max(changes.get(module, 0.0), diff)
     return changes
@@ -137,8 +139,39 @@ def _module(name: str) -> str:
     return owner.split(".parametrizations.")[0]
 
 
+def _package_constants(
+    factory: DLRMFactory, archive: Archive, dense: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor]]:
+    """(``dense`` as the archive's compiled package holds it, the package's own dense constants),
+    by constant name (None: a constant ``dense`` does not give)."""
+    options = archive.options
+    model = factory.dense_model(dense)
+    if options.split is not None:
+        model = factory.architecture.split(model)[1]
+    state = {**dict(model.named_parameters(prefix="model")), **dict(model.named_buffers(prefix="model"))}
+    package = _swapped_kind(archive).file_name("dense" if options.split is not None else "model")
+    current = torch.load(archive.file(aoti_weights_file(Path(package)).name), mmap=True, weights_only=True)
+    current = {n: t for n, t in current.items() if not is_table_constant(n)}
+    return {n: package_constant(state, n) for n in current}, current
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A served model's (or dense part's) dense state, as it holds it (the spec's dense precision
+    applied: bf16 tensors, TorchAO int8 weights): its tables and slot maps left out."""
+    tables = table_prefixes(model)
+    return {n: t.detach() for n, t in model.state_dict().items()
+            if not n.startswith(tables) and not is_table_constant(n)}
+
+
+def _namer(archive: Archive, spec: ModelSpec) -> Callable[[str], str]:
+    """A served dense tensor's name -> the float model's (a captured graph's weights are those of
+    its wrapper, ``export.PlainInputs``: the model's or dense part's under ``model.``)."""
+    prefix = "" if _swapped_kind(archive) == Artifact.EAGER else "model."
+    return lambda name: float_name(name.removeprefix(prefix), spec)
+
+
 def _archive_dense(factory: DLRMFactory, archive: Archive) -> dict[str, torch.Tensor]:
-    """The float dense weights the archive was built with (every artifact's are in its weights.pt)."""
+    """The float dense weights an eager archive was built with (in its weights.pt)."""
     return factory.load_weights(archive.file(WEIGHTS)).dense
 
 

@@ -5,6 +5,7 @@ checkpoint delta that would drop a dense change is refused unless told to carry 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,10 @@ KINDS = {
     "eager": (Artifact.EAGER, None),
     "aoti": (Artifact.AOTI, None),
     "split-eager-aoti": (Artifact.SPLIT, SplitPlan(sparse=Artifact.EAGER, dense=Artifact.AOTI)),
+}
+# takes row deltas but cannot swap its dense weights: a dense change is refused, or left out
+EXPORTED_DENSE = {
+    "split-eager-exported": (Artifact.SPLIT, SplitPlan(sparse=Artifact.EAGER, dense=Artifact.EXPORTED)),
 }
 
 
@@ -68,7 +73,7 @@ def _build(setup, kind: str, checkpoint: str):
 
 
 def _built(root: Path, spec_file: Path, kind: str, checkpoint: str) -> Path:
-    artifact, split = KINDS[kind]
+    artifact, split = {**KINDS, **EXPORTED_DENSE}[kind]
     return build_archive(spec_file, checkpoint=root / checkpoint, seed=0, name=f"{kind}-{checkpoint[:-3]}", version="1",
                          model_store=root / "store", serving=ServingConfig(), artifact=artifact, split=split,
                          archive_format="no-archive")
@@ -165,6 +170,21 @@ def test_rows_only_leaves_the_dense_change_out_and_says_so(setup, capsys):
     assert "rows (and slot owners) of a fresh build, byte for byte; its dense weights left out (--rows-only)" in err
     delta = read_delta(base.parent / "cli.delta", TablesLayout.load(base))
     assert delta.header.dense is None and delta.header.tables == ()
+
+
+@pytest.mark.parametrize("kind", [*KINDS, *EXPORTED_DENSE])
+def test_every_kind_compares_the_dense_weights_it_serves(setup, kind):
+    """Refused naming the modules; a float change its bf16 layers round away is none; --rows-only."""
+    root, _, _ = setup
+    base = _build(setup, kind, "base.pt")
+    with pytest.raises(InputError, match="^" + re.escape(", ".join(CHANGED)) + ": dense weights differ"):
+        make_delta(base, DeltaSource(checkpoint=root / "newer.pt"), root / f"{kind}-refused.delta", sequence=1)
+    same = make_delta(base, DeltaSource(checkpoint=root / "round_trip.pt"), root / f"{kind}-same.delta", sequence=1)
+    assert same.dense_tensors == 0 and verify_delta(base, same.path, root / "round_trip.pt") == []
+    rows_only = make_delta(base, DeltaSource(checkpoint=root / "newer.pt", rows_only=True),
+                           root / f"{kind}-rows.delta", sequence=1)
+    assert verify_delta(base, rows_only.path, root / "newer.pt", rows_only=True) == []
+    assert verify_delta(base, rows_only.path, root / "newer.pt") == CHANGED  # what it leaves out
 
 
 def test_dense_weights_that_serve_the_same_are_no_change(setup, capsys):
