@@ -150,7 +150,7 @@ def _delta(args: argparse.Namespace) -> int:
     with Archive.open(args.archive) as archive:
         is_dense = archive.options.remote is not None
     if is_dense:
-        if args.rows is None or args.checkpoint or args.dense or args.out or args.name:
+        if args.rows is None or args.checkpoint or args.dense or args.rows_only or args.out or args.name:
             raise InputError(
                 f"{args.archive} is a distributed layout's dense archive: its tables are on its shards; "
                 "give --rows (and --sequence) alone, and the delta is split into one per shard"
@@ -159,7 +159,7 @@ def _delta(args: argparse.Namespace) -> int:
             rows = ", ".join(f"{t} {n:,}" for t, n in summary.rows_by_table.items()) or "no rows"
             print(f"wrote {summary.path} ({rows}; {summary.bytes / 2**20:.1f} MiB)", file=sys.stderr)
         return 0
-    source = DeltaSource(checkpoint=args.checkpoint, rows=args.rows, dense=args.dense)
+    source = DeltaSource(checkpoint=args.checkpoint, rows=args.rows, dense=args.dense, rows_only=args.rows_only)
     out = args.out or args.archive.parent / "deltas" / f"{args.archive.name.split('.')[0]}-{args.sequence:08d}.delta"
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = make_delta(args.archive, source, out, args.sequence, name=args.name)
@@ -173,12 +173,24 @@ def _delta(args: argparse.Namespace) -> int:
     if args.verify:
         if args.checkpoint is None:
             raise InputError("--verify compares with a fresh build from --checkpoint")
-        differing = verify_delta(args.archive, summary.path, args.checkpoint)
+        differing = verify_delta(args.archive, summary.path, args.checkpoint, rows_only=args.rows_only)
         if differing:
-            raise VerificationFailed(f"the archive plus this delta differs from a fresh build in tables {differing}")
-        print("verified: the archive plus this delta holds the rows (and slot owners) of a fresh build, byte for byte",
-              file=sys.stderr)
+            raise VerificationFailed(f"the archive plus this delta differs from a fresh build in {', '.join(differing)}")
+        print(_verified(args.rows_only, summary.dense_tensors > 0), file=sys.stderr)
     return 0
+
+
+def _verified(rows_only: bool, carries_dense: bool) -> str:
+    """What ``delta --verify`` checked, dense weights included or said to be left out."""
+    if rows_only:
+        dense = ("; its dense weights left out (--rows-only): the model keeps those it serves (the archive's, or "
+                 "an earlier delta's)")
+    elif carries_dense:
+        dense = ", and its dense weights, which this delta swaps in"
+    else:
+        dense = ", and its dense weights, unchanged from the archive's"
+    return ("verified: the archive plus this delta serves the rows (and slot owners) of a fresh build, byte for "
+            f"byte{dense}")
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -29,9 +29,15 @@ def delta_args(parser: argparse.ArgumentParser) -> None:
         "--rows", type=Path,
         help="changed rows: torch.save({table: {'ids': int64 [n], 'rows': float [n, dim]}})",
     )
-    parser.add_argument(
+    dense = parser.add_mutually_exclusive_group()
+    dense.add_argument(
         "--dense", type=Path,
         help="new dense weights to swap in whole: a checkpoint, whole or of the dense weights alone",
+    )
+    dense.add_argument(
+        "--rows-only", action="store_true",
+        help="publish --checkpoint's rows without its dense change (without this or --dense, a checkpoint "
+        "whose dense weights differ from the archive's is refused)",
     )
     parser.add_argument("--sequence", type=int, required=True, help="its place in the model's delta log: 1, 2, ...")
     parser.add_argument("--name", help="the model name it is registered under (default: the spec's)")
@@ -39,7 +45,11 @@ def delta_args(parser: argparse.ArgumentParser) -> None:
         "--out", type=Path,
         help="the delta file (default: ARCHIVE's folder/deltas/NAME-SEQUENCE.delta, where publishing finds it)",
     )
-    parser.add_argument("--verify", action="store_true", help="check it against a fresh build from --checkpoint")
+    parser.add_argument(
+        "--verify", action="store_true",
+        help="check what the archive plus it serves (rows, slot owners, dense weights) against a fresh build "
+        "from --checkpoint",
+    )
 
 
 def build_args(parser: argparse.ArgumentParser) -> None:

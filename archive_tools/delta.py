@@ -3,6 +3,8 @@ quantized exactly as a fresh build would quantize them, and optionally the dense
 weights in the form the archive serves them, written as one delta file.
 
     make_delta(archive, DeltaSource(checkpoint=Path("trained-2.pt")), out, sequence=1)
+        # refused if trained-2.pt's dense weights differ from the archive's: add dense=Path("trained-2.pt")
+        # to carry them, or rows_only=True to leave them out (archive_tools.delta_dense compares them)
     make_delta(archive, DeltaSource(rows=Path("touched.pt")), out, sequence=2)
         # touched.pt: {"cat_0": {"ids": int64 [n], "rows": float [n, dim]}, ...}
     make_delta(archive, DeltaSource(dense=Path("trained-3.pt")), out, sequence=3)  # dense only
@@ -29,7 +31,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from archive_tools.export import package_constant
+from archive_tools.delta_dense import dense_changes, refusal, served_dense, verify_dense
 from handlers.modeling import pruning, raw_ids
 from handlers.modeling.checkpoint import read_checkpoint
 from handlers.modeling.embedding_modules import table_weights
@@ -38,11 +40,9 @@ from handlers.modeling.registry import archive_spec
 from handlers.modeling.row_formats import encode_rows
 from handlers.modeling.spec import ModelSpec
 from handlers.runtime.archive import Archive, tables_file_name
-from handlers.runtime.archive_files import TABLES, WEIGHTS, aoti_weights_file
-from handlers.runtime.artifacts import Artifact
+from handlers.runtime.archive_files import TABLES, WEIGHTS
 from handlers.runtime.errors import InputError
-from handlers.runtime.freshness.delta_file import DeltaWriter, dense_shapes, read_delta
-from handlers.runtime.freshness.dense import is_table_constant
+from handlers.runtime.freshness.delta_file import DeltaWriter, read_delta
 from handlers.runtime.freshness.layout import TableLayout, TablesLayout, table_buffers
 from handlers.runtime.slot_maps import owners_of, slot_maps_in
 
@@ -54,15 +54,20 @@ class DeltaSource:
     """Where the new rows come from: a trained checkpoint (the same names ``build`` takes), or a
     file of changed rows per table (``{table: {"ids": int64 [n], "rows": float [n, dim]}}``, the ids
     in any order, each once), or neither; ``dense``: a checkpoint (whole, or its dense weights
-    alone) whose dense weights the delta carries, to be swapped in whole."""
+    alone) whose dense weights the delta carries, to be swapped in whole; ``rows_only``: a
+    checkpoint's dense change is meant to be left out (without it or ``dense``, a checkpoint whose
+    dense weights differ from the archive's is refused)."""
 
     checkpoint: Path | None = None
     rows: Path | None = None
     dense: Path | None = None
+    rows_only: bool = False
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None and self.rows is not None:
             raise InputError("table rows come from a checkpoint or from a rows file, not both")
+        if self.rows_only and (self.dense is not None or self.checkpoint is None):
+            raise InputError("--rows-only leaves a checkpoint's dense change out: it goes with --checkpoint, not --dense")
         if self.checkpoint is None and self.rows is None and self.dense is None:
             raise InputError("a delta needs a checkpoint, a rows file or dense weights")
 
@@ -94,11 +99,17 @@ def table_rows(buffer: torch.Tensor, table: TableLayout) -> np.ndarray:
 
 
 def make_delta(archive: Path, source: DeltaSource, out: Path, sequence: int, name: str | None = None) -> DeltaSummary:
-    """Writes the delta for ``archive``'s model at ``out`` (one pass, progress on stderr)."""
+    """Writes the delta for ``archive``'s model at ``out`` (one pass, progress on stderr); refuses
+    (``InputError``, naming the modules) a checkpoint whose dense weights differ from the
+    archive's unless ``source`` says to carry them or to leave them out."""
     with _base(archive) as base:
         rows: dict[str, int] = {}
         moved: dict[str, int] = {}
-        dense = served_dense(base, read_checkpoint(source.dense)) if source.dense else {}
+        if source.checkpoint and not (source.dense or source.rows_only):
+            changes = dense_changes(base.archive, base.spec, read_checkpoint(source.checkpoint))
+            if changes:
+                raise InputError(refusal(changes, source.checkpoint))
+        dense = served_dense(base.archive, base.spec, read_checkpoint(source.dense)) if source.dense else {}
         with DeltaWriter(out, model=name or base.spec.name, base=base.layout.fingerprint, sequence=sequence) as writer:
             if source.checkpoint:
                 changes = _from_checkpoint(base, source.checkpoint)
@@ -115,47 +126,18 @@ def make_delta(archive: Path, source: DeltaSource, out: Path, sequence: int, nam
     return DeltaSummary(Path(out), rows, Path(out).stat().st_size, len(dense), moved)
 
 
-def served_dense(base: _Base, checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's dense weights as the archive serves them, by the names it serves them
-    under: an eager archive's float dense state, or the dense constants of its compiled package
-    (in the spec's dense precision, TorchAO's int8 weights as their inner tensors)."""
-    factory = DLRMFactory(base.spec)
-    dense = factory.dense_weights(checkpoint)
-    options = base.archive.options
-    part = "dense" if options.split is not None else "model"
-    kind = options.split.dense if options.split is not None else options.artifact
-    if kind == Artifact.EAGER:
-        served, current = dense, factory.load_weights(base.archive.file(WEIGHTS)).dense
-    elif kind == Artifact.AOTI:
-        model = factory.dense_model(dense)
-        if options.split is not None:
-            model = factory.architecture.split(model)[1]
-        state = {**dict(model.named_parameters(prefix="model")), **dict(model.named_buffers(prefix="model"))}
-        current = torch.load(base.archive.file(aoti_weights_file(Path(kind.file_name(part))).name), mmap=True, weights_only=True)
-        current = {n: t for n, t in current.items() if not is_table_constant(n)}
-        served = {n: package_constant(state, n) for n in current}
-    else:
-        raise InputError(f"a {options.describe()} archive cannot swap dense weights: build it as aoti or eager "
-                         "(or a split with an aoti dense part)")
-    missing = sorted(n for n, t in served.items() if t is None)
-    if missing or set(served) != set(current):
-        raise InputError(f"the served dense weights {sorted(current)} and the checkpoint's {sorted(served)} differ "
-                         f"(missing {missing})")
-    wrong = [n for n in current if dense_shapes({n: served[n]}) != dense_shapes({n: current[n]})]
-    if wrong:
-        raise InputError(f"dense weights {wrong}: dtype or shape differ from the archive's")
-    return {n: served[n].detach().contiguous() for n in current}
-
-
-def verify_delta(archive: Path, delta_path: Path, checkpoint: Path) -> list[str]:
-    """The archive's rows (and slot owners) with the delta applied, against those of a fresh
-    build from ``checkpoint`` (TorchRec's whole-table quantization, as ``build`` runs it): the
-    tables whose bytes or owners differ (empty: identical)."""
+def verify_delta(archive: Path, delta_path: Path, checkpoint: Path, rows_only: bool = False) -> list[str]:
+    """What the archive serves with the delta applied, against a fresh build from ``checkpoint``
+    (TorchRec's whole-table quantization, as ``build`` runs it): its rows, slot owners and, unless
+    ``rows_only`` (the delta leaves a dense change out), dense weights (the delta's, or the
+    archive's where it has none, as served). The tables and dense modules that differ (empty:
+    identical)."""
     with _base(archive) as base, tempfile.TemporaryDirectory(prefix="delta-verify-") as tmp:
         delta = read_delta(delta_path, base.layout)
         factory = DLRMFactory(base.spec)
         model = factory.float_model(seed=0)
-        factory.load_checkpoint(model, read_checkpoint(checkpoint))
+        trained = read_checkpoint(checkpoint)
+        factory.load_checkpoint(model, trained)
         fresh_file = Path(tmp) / WEIGHTS
         factory.save_weights(factory.quantize(model), fresh_file)
         fresh_weights = torch.load(fresh_file, mmap=True, weights_only=True)
@@ -173,6 +155,9 @@ def verify_delta(archive: Path, delta_path: Path, checkpoint: Path) -> list[str]
             same_owners = owners is None or np.array_equal(owners, owners_of(fresh_maps[table.name]).numpy())
             if not (same_owners and np.array_equal(current, table_rows(fresh[table.buffer], table))):
                 differing.append(table.name)
+        if not rows_only:
+            carried = delta.dense() if delta.header.dense is not None else None
+            differing += verify_dense(base.archive, base.spec, carried, trained)
         return differing
 
 

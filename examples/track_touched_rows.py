@@ -4,9 +4,10 @@ A training job knows which rows it touched: TorchRec's ``ModelDeltaTracker`` (on
 ``DistributedModelParallel`` model, ``init_torchrec_delta_tracker``) records the ids each lookup
 used. Here the tiny model trains a few steps on one CPU process (gloo, world size 1), starting from
 the weights an archive was built with; the ids the tracker returns, with their trained rows, make
-a rows file, and the delta tool (``torchrec-serve delta ARCHIVE --rows touched.pt``) a delta of
-exactly those rows. The example checks that the tracked rows are the rows that changed, and that
-the archive plus the delta holds what a fresh build of the trained weights holds.
+a rows file, and the delta tool (``torchrec-serve delta ARCHIVE --rows touched.pt --dense
+trained.pt``) a delta of exactly those rows, with the dense weights that trained along. The example
+checks that the tracked rows are the rows that changed, and that the archive plus the delta serves
+what a fresh build of the trained weights serves.
 
     .venv/bin/python examples/track_touched_rows.py --out /tmp/tracked
     #   t_user  20 rows tracked, 20 changed, the same rows ...
@@ -119,7 +120,8 @@ def main() -> None:
               f"{'the same rows' if torch.equal(ids, changed) else 'NOT the same rows'}")
     torch.save(rows, args.out / "touched.pt")
     assert touched_ids(tracker) == {}, "read already: nothing new"
-    summary = make_delta(archive, DeltaSource(rows=args.out / "touched.pt"), args.out / "tiny-00000001.delta", 1)
+    source = DeltaSource(rows=args.out / "touched.pt", dense=args.out / "trained.pt")  # the dense layers trained too
+    summary = make_delta(archive, source, args.out / "tiny-00000001.delta", 1)
     differing = verify_delta(archive, summary.path, args.out / "trained.pt")
     print(f"wrote {summary.path}: {summary.rows_by_table}; the archive plus it "
           + (f"differs from a fresh build in {differing}" if differing else "equals a fresh build of the trained weights"))

@@ -51,3 +51,12 @@ def apply_dense_precision(model: nn.Module, spec: ModelSpec) -> nn.Module:
             quantize_(submodule, Int8DynamicActivationInt8WeightConfig())
     return model
 
+
+def float_name(name: str, spec: ModelSpec) -> str:
+    """A served model's state name as the float model has it: ``CastTo`` puts a wrapped
+    submodule's own under ``.module`` (``dense_arch.module.model.0.weight`` -> ``dense_arch.model.0.weight``)."""
+    top, _, rest = name.partition(".")
+    if spec.dense_precision.get(top) in _FLOAT_DTYPES and rest.startswith("module."):
+        return f"{top}.{rest.removeprefix('module.')}"
+    return name
+
