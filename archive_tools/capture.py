@@ -21,11 +21,12 @@ from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.raw_ids import served_slot_maps
 from handlers.modeling.registry import architecture_of, load_spec, synthetic_request
 from handlers.modeling.spec import ModelSpec, ShardingType
-from handlers.runtime.archive_files import SPEC, WEIGHTS
+from handlers.runtime.archive_files import INPUTS, SPEC, WEIGHTS
 from handlers.runtime.artifacts import Artifact
-from handlers.runtime.batching import coalesce
+from handlers.runtime.batching import coalesce, padding_request, plain_arguments
 from handlers.runtime.errors import InputError
 from handlers.runtime.freshness.layout import TablesLayout
+from handlers.runtime.inputs import InputSchema, RequestInputs
 from handlers.runtime.slot_maps import SlotMap
 from handlers.runtime.split import EMBEDDINGS_INPUT, SplitPlan, dense_tags, sparse_tags
 from handlers.runtime.wire.decoder import RequestDecoder
@@ -57,12 +58,12 @@ def capture(staging: Path, artifact: Artifact, split: SplitPlan | None) -> None:
     eager = load_eager_model(spec, weights)
     decoder = RequestDecoder(architecture_of(spec).input_schema(spec))
     tags = decoder.schema.tags
-    example = coalesce(
-        [decoder.decode(synthetic_request(spec, n, seed=n)).inputs for n in (3, 5, 2)], tags
-    )
+    requests = [decoder.decode(synthetic_request(spec, n, seed=n)).inputs for n in (3, 5, 2)]
+    example, example_request = coalesce(requests, tags), requests[0]
     if split is None:
         with raised_by_model("capture", lambda: describe_batch(example, tags)):
             program = export_model(eager.module, tags, example, spec.min_requests)
+        _pad_single_items(program, staging, example_request)
         _save_graph(program, staging, artifact, "model", served_slot_maps(eager.module))
         _name_table_constants(staging, eager.module)
     else:
@@ -82,6 +83,26 @@ def capture(staging: Path, artifact: Artifact, split: SplitPlan | None) -> None:
         weights.unlink()
     else:
         _keep_only_tables(weights, spec)
+
+
+def _pad_single_items(program: torch.export.ExportedProgram, staging: Path, like: RequestInputs) -> None:
+    """Where the graph refuses a forward of one item, the archive's ``inputs.json`` asks the
+    worker to pad such a forward with a second item (``min_requests`` 2). torch.export can assert
+    that a size the trace could not know (the rows a lookup returns) is at least 2 where the model
+    makes it equal to the items (joining a candidate's looked-up row to its item, say)."""
+    schema = InputSchema.from_file(staging / INPUTS)
+    if schema.min_requests > 1:
+        return
+    one_item = coalesce([padding_request(like, schema, with_ids=True)], schema.tags)
+    try:
+        with torch.inference_mode():
+            program.module()(*plain_arguments(one_item, schema.tags))
+    except RuntimeError as error:
+        if "Runtime assertion failed" not in str(error):
+            raise
+        dataclasses.replace(schema, min_requests=2).save(staging / INPUTS)
+        print(f"the captured graph refuses a forward of one item ({str(error).splitlines()[0]}): "
+              "a worker pads such a forward with a second item")
 
 
 def _name_table_constants(staging: Path, captured: torch.nn.Module) -> None:

@@ -2,7 +2,7 @@
 keep their answers and their latency.
 
 The model is the own-model example (``examples/own_model``, a ranker that takes exactly one
-candidate id an item) built from a spec that no longer says so, so that a request with two
+candidate id an item) built from a spec that takes one or two, so that a request with two
 candidate ids passes the decoder and fails in the model's forward. Its batch is then split until
 the request fails alone (``ScoringService``): the good requests beside it are scored, later by
 the forwards the split cost. The same open loop runs twice, clean and with 1% of such requests,
@@ -36,10 +36,10 @@ REQUESTS = 100  # one of them poisoned
 
 def build_lenient(store: Path) -> None:
     """The example built (exported) from a spec that lets two candidate ids through
-    (``benchmarks.lenient_ranker``)."""
+    (``benchmarks.lenient_ranker``: its build still runs the model on one an item)."""
     raw = yaml.safe_load((EXAMPLE / "seq_ranker.yaml").read_text())
     item = raw["tables"][0]
-    item.pop("ids_per_item")
+    item["ids_per_item"] = {"min": 1, "max": 2}
     item["max_sequence_length"] = 2
     spec = store.parent / f"{NAME}.yaml"
     spec.parent.mkdir(parents=True, exist_ok=True)
@@ -50,22 +50,19 @@ def build_lenient(store: Path) -> None:
 
 
 def traffic(seed: int = 0) -> tuple[Traffic, Traffic]:
-    """Requests of two candidates for the example (its rows: 2,000 items, 500 users; histories of
-    0 to 20 items): clean, and the same with one in ``REQUESTS`` holding a second id for a
-    candidate. (Two, not one: the example's exported graph asserts that a forward holds at least
-    two candidate rows, a guard torch.export adds where the model joins them to the items.)"""
+    """One-candidate requests for the example (its rows: 2,000 items, 500 users; histories of 0 to
+    20 items): clean, and the same with one in ``REQUESTS`` holding a second candidate id."""
     rng = np.random.default_rng(seed)
-
-    def item() -> dict:
-        return {"dense": [0.0], "sparse": {"candidate": [int(rng.integers(2000))], "user_id": [int(rng.integers(500))]}}
-
     requests = [
-        {"items": [item(), item()], "context_sparse": {"history": rng.integers(2000, size=int(rng.integers(21))).tolist()}}
+        {
+            "items": [{"dense": [0.0], "sparse": {"candidate": [int(rng.integers(2000))], "user_id": [int(rng.integers(500))]}}],
+            "context_sparse": {"history": rng.integers(2000, size=int(rng.integers(21))).tolist()},
+        }
         for _ in range(REQUESTS)
     ]
-    clean = Traffic([orjson.dumps(r) for r in requests], [2] * REQUESTS)
+    clean = Traffic([orjson.dumps(r) for r in requests], [1] * REQUESTS)
     requests[REQUESTS // 2]["items"][0]["sparse"]["candidate"].append(1)
-    return clean, Traffic([orjson.dumps(r) for r in requests], [2] * REQUESTS)
+    return clean, Traffic([orjson.dumps(r) for r in requests], [1] * REQUESTS)
 
 
 def poisoned_load(server: LocalTorchServe, rate: float, seconds: float) -> dict:

@@ -1,6 +1,7 @@
 """The README's own-model walk-through (``examples/own_model``): a ranker written with TorchRec
 alone, which takes exactly one candidate and one user id an item, built from its own checkpoint
-through an adapter and a prefix mapping, captured as a graph, and served as the model scores."""
+through an adapter and a prefix mapping, captured as a graph, and served as the model scores,
+one candidate alone included."""
 
 from __future__ import annotations
 
@@ -92,10 +93,12 @@ def _served(service, requests: list[dict]) -> list[dict]:
 
 def test_served_alone_and_batched_as_the_model_scores(service, trained):
     rng = np.random.default_rng(1)
-    requests = [_request(rng, 3, 0), _request(rng, 5, 7), _request(rng, 1, 0), _request(rng, 4, 2)]
+    requests = [_request(rng, 3, 0), _request(rng, 5, 7), _request(rng, 1, 0), _request(rng, 4, 2), _request(rng, 1, 6)]
     batched = _served(service, requests)
     for request, answer in zip(requests, batched):
-        alone = _served(service, [request])[0]  # an empty history alone is padded: still one candidate an item
+        # alone, an empty history is padded with an item holding ids (one candidate an item still), and a
+        # single candidate with a second item: the graph asserts two candidate rows (capture found it)
+        alone = _served(service, [request])[0]
         expected = _model_scores(trained[0], [request])
         torch.testing.assert_close(torch.tensor(alone["scores"]), expected, atol=QUANTIZATION_TOLERANCE, rtol=0)
         torch.testing.assert_close(torch.tensor(answer["scores"]), torch.tensor(alone["scores"]), atol=1e-6, rtol=0)
