@@ -107,9 +107,10 @@ class DLRMHandler:
             self.metrics.flush(context)  # type: ignore[union-attr]  # so that a scrape now is exact
             return [orjson.dumps(self.description)]
         payloads = [_payload(row, context.get_all_request_header(index)) for index, row in enumerate(data)]
-        handled = self.service.handle(payloads)
-        shard_counts = self.shard_calls.take_counts() if self.shard_calls is not None else None
-        self.metrics.add(context, len(data), handled.stats, shard_counts)  # type: ignore[union-attr]
+        with self.metrics.lock:  # type: ignore[union-attr]  # no idle flush reads the counts during a forward
+            handled = self.service.handle(payloads)
+            shard_counts = self.shard_calls.take_counts() if self.shard_calls is not None else None
+            self.metrics.add(context, len(data), handled.stats, shard_counts)  # type: ignore[union-attr]
         for index, response in enumerate(handled.responses):
             if response.status != 200:  # TorchServe answers 200 where none is set
                 context.set_response_status(response.status, "", idx=index)

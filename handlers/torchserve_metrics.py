@@ -23,17 +23,26 @@ Queue time is TorchServe's own: ``ts_queue_latency_microseconds`` over ``ts_infe
 Every metric TorchServe's worker publishes is a log line the frontend parses, per batch per metric.
 So the counts are summed in the worker and published at most every ``metrics_flush_s`` (at the
 first batch after it elapses; 0: every batch): a handful of lines a second under load, not a dozen
-per batch. A describe call (``GET /models/NAME?customized=true``) flushes them at once; counts of
-the last interval before a worker stops are not published. For the same reason the two lines
+per batch. A worker that gets no batch for ``metrics_flush_s`` publishes what it summed then (a
+thread of the publisher's waits for that), so a scrape one interval after the last request sees
+every count; a describe call (``GET /models/NAME?customized=true``) flushes them at once. Counts
+of the last interval before a worker stops are not published. For the same reason the two lines
 TorchServe's worker writes for every batch (``Backend received inference at: ...`` and its
 ``PredictionTime`` metric, which ``HandlerStageMilliseconds`` covers) are dropped
 (``quiet_per_batch_lines``).
+
+Publishing from that thread is safe: TorchServe's metric cache is only looked up (each counter
+made once, by our lock's holder), and its lines go out through ``logging``, whose handlers write a
+line at a time under their own lock. The publisher's lock is held around each batch's scoring as
+well (``MetricsPublisher.lock``): a raw-id model's counts grow during its forwards, and are read
+when published.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from typing import Any
 
@@ -42,55 +51,90 @@ from ts.metrics.dimension import Dimension
 from handlers.runtime.service import BatchStats
 from handlers.runtime.unseen_ids import UnseenIdCounter
 
+logger = logging.getLogger(__name__)
+
 
 class MetricsPublisher:
-    """Sums batches' stats and publishes them as counter increments, at most every ``flush_s``.
-    ``raw_ids``: a raw-id model's in-graph counts, read when publishing (they add up in the graph
-    whatever the batches: reading them per batch cost more than a row lookup's share of it)."""
+    """Sums batches' stats and publishes them as counter increments, at most every ``flush_s``,
+    and ``flush_s`` after the last batch. ``raw_ids``: a raw-id model's in-graph counts, read when
+    publishing (they add up in the graph whatever the batches: reading them per batch cost more
+    than a row lookup's share of it).
+
+        with publisher.lock:    # around a batch's scoring and its add
+            handled = service.handle(payloads)
+            publisher.add(context, len(payloads), handled.stats)
+    """
 
     def __init__(self, flush_s: float, raw_ids: UnseenIdCounter | None = None) -> None:
         self.flush_s = flush_s
         self.raw_ids = raw_ids
+        self.lock = threading.RLock()  # a batch (scoring, add), or a flush
         self._pending: collections.Counter[tuple[str, tuple[tuple[str, str], ...]]] = collections.Counter()
-        self._last_flush = time.monotonic()
+        self._last_flush = self._last_batch = time.monotonic()
+        self._unpublished = False  # batches added since the last flush
+        self._context: Any = None  # TorchServe's, as the last batch gave it
+        self._batch_added = threading.Condition(self.lock)
+        threading.Thread(target=self._flush_when_idle, name="metrics-idle-flush", daemon=True).start()
 
     def add(
         self, context: Any, requests: int, stats: BatchStats, shard_counts: collections.Counter | None = None
     ) -> None:
         """Adds one TorchServe batch of ``requests`` requests (and a dense host's shard calls,
         ``ShardedLookups.take_counts``); publishes if the interval is over."""
-        pending = self._pending
-        if shard_counts:
-            pending.update(shard_counts)
-        pending[("HandlerBatches", (("Requests", str(requests)),))] += 1
-        pending[("HandlerForwards", ())] += len(stats.forward_items)
-        pending[("HandlerForwardItems", ())] += sum(stats.forward_items)
-        for stage, ms in stats.stage_ms.items():
-            pending[("HandlerStageMilliseconds", (("Stage", stage),))] += ms
-        for reason, count in stats.rejected.items():
-            pending[("HandlerRejectedRequests", (("Reason", reason),))] += count
-        if stats.hashed_ids:
-            pending[("HandlerHashedIds", ())] += stats.hashed_ids
-        if stats.split_forwards:
-            pending[("HandlerSplitForwards", ())] += stats.split_forwards
-        for table, count in stats.pruned_ids.items():
-            pending[("HandlerPrunedIds", (("Table", table),))] += count
-        if time.monotonic() - self._last_flush >= self.flush_s:
-            self.flush(context)
+        with self.lock:
+            pending = self._pending
+            if shard_counts:
+                pending.update(shard_counts)
+            pending[("HandlerBatches", (("Requests", str(requests)),))] += 1
+            pending[("HandlerForwards", ())] += len(stats.forward_items)
+            pending[("HandlerForwardItems", ())] += sum(stats.forward_items)
+            for stage, ms in stats.stage_ms.items():
+                pending[("HandlerStageMilliseconds", (("Stage", stage),))] += ms
+            for reason, count in stats.rejected.items():
+                pending[("HandlerRejectedRequests", (("Reason", reason),))] += count
+            if stats.hashed_ids:
+                pending[("HandlerHashedIds", ())] += stats.hashed_ids
+            if stats.split_forwards:
+                pending[("HandlerSplitForwards", ())] += stats.split_forwards
+            for table, count in stats.pruned_ids.items():
+                pending[("HandlerPrunedIds", (("Table", table),))] += count
+            self._context, self._last_batch = context, time.monotonic()
+            if self._last_batch - self._last_flush >= self.flush_s:
+                self.flush(context)
+            elif not self._unpublished:
+                self._unpublished = True
+                self._batch_added.notify()  # once per interval, not per batch
 
     def flush(self, context: Any) -> None:
         """Publishes what has been summed since the last flush."""
-        self._last_flush = time.monotonic()
-        if self.raw_ids is not None:
-            for name, counts in zip(("HandlerUnseenIds", "HandlerRawIds"), self.raw_ids.since_last()):
-                for table, count in counts.items():
-                    self._pending[(name, (("Table", table),))] += count
-        base = [Dimension("ModelName", context.model_name), Dimension("Level", "Model")]
-        for (name, labels), value in self._pending.items():
-            dimensions = base + [Dimension(key, label) for key, label in labels]
-            # idx 0: the line carries one request id, not the whole batch's
-            context.metrics.add_counter(name, value, 0, dimensions)
-        self._pending.clear()
+        with self.lock:
+            self._last_flush = time.monotonic()
+            self._unpublished = False
+            if self.raw_ids is not None:
+                for name, counts in zip(("HandlerUnseenIds", "HandlerRawIds"), self.raw_ids.since_last()):
+                    for table, count in counts.items():
+                        self._pending[(name, (("Table", table),))] += count
+            base = [Dimension("ModelName", context.model_name), Dimension("Level", "Model")]
+            for (name, labels), value in self._pending.items():
+                dimensions = base + [Dimension(key, label) for key, label in labels]
+                # idx 0: the line carries one request id, not the whole batch's
+                context.metrics.add_counter(name, value, 0, dimensions)
+            self._pending.clear()
+
+    def _flush_when_idle(self) -> None:
+        """Publishes the counts once ``flush_s`` has passed with no batch since they were added."""
+        with self.lock:
+            while True:
+                idle_s = time.monotonic() - self._last_batch
+                if not self._unpublished:
+                    self._batch_added.wait()
+                elif idle_s < self.flush_s:
+                    self._batch_added.wait(self.flush_s - idle_s)
+                else:
+                    try:
+                        self.flush(self._context)
+                    except Exception:  # the next batch's flush publishes them
+                        logger.exception("publishing the metrics of an idle worker failed")
 
 
 class _PerBatchLines(logging.Filter):

@@ -35,6 +35,7 @@ SLOWEST_FIRST = (
     "tests/integration/test_raw_ids.py",
     "tests/bench/test_reliability.py",
     "tests/integration/test_publishing.py",
+    "tests/integration/test_table_copies.py",
     "tests/bench/test_smoke.py",
     "tests/integration/test_distributed.py",
     "tests/bench/test_freshness.py",

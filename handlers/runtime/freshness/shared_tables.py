@@ -25,12 +25,22 @@ writer's first write to 100k random rows: 100k faults), and a kernel that reclai
 (these machines run DAMON's ``pageout`` on pages unused for a minute) would keep unmapping pages
 that then fault back in.
 
-Each worker holds a shared lock on the folder's ``hold`` file for as long as it lives; a folder
-nobody holds (its model unregistered or scaled to zero, its server stopped) is removed by the
-next ``sweep``: at every worker's start, every minute by the follower, and when the launcher
-stops TorchServe.
+Each worker holds a shared lock on the folder's ``hold`` file for as long as it lives, and starts
+the folder's keeper (``freshness.keeper``): a process of its own that waits for an exclusive lock
+on ``hold`` and removes the folder once it gets it, that is once the last worker of the copy is
+gone, however it ended (its model unregistered or scaled to zero, killed, its server stopped).
+A folder that nobody holds and no keeper removed (its keeper killed too) goes at the next
+``sweep``: at every worker's start, every minute by the follower, and when the launcher stops
+TorchServe.
 
-    tables = SharedTables.open(model_dir, archive_file, fingerprint)   # copies once, then holds it
+Neither a keeper nor a sweep can remove a copy that a worker is about to serve: a worker serves a
+folder only once it holds its ``hold`` shared and finds it still at the folder's path; a remover
+renames the folder away while it holds ``hold`` exclusively, so a worker that starts meanwhile
+(TorchServe restarting a killed one) waits, finds the folder moved, and makes a new one. The copy itself is made under
+the worker's shared hold (``copy.lock`` only orders the workers that find no copy), so no remover
+gets between its steps.
+
+    tables = SharedTables.open(model_dir, archive_file, fingerprint)   # copies once, holds it, keeps it
     tables.file      # what the workers map and the writer writes
     tables.folder    # the copy's freshness state
     pin_in_memory(tables.file)    # once mapped: every page mapped now, and kept
@@ -52,12 +62,13 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from handlers.runtime.freshness import keeper
 from handlers.runtime.freshness.background import Turns
+from handlers.runtime.freshness.keeper import HOLD_FILE, KEEPER_LOCK
 
 logger = logging.getLogger(__name__)
 
 ROOTS = (Path("/dev/shm/torchrec-serve"), Path(tempfile.gettempdir()) / "torchrec-serve-tables")
-HOLD_FILE = "hold"
 COPY_LOCK = "copy.lock"
 HEADROOM_BYTES = 256 << 20  # left free on the chosen file system beyond the copy
 _MLOCK_ONFAULT = 1
@@ -75,10 +86,11 @@ class SharedTables:
 
     @classmethod
     def open(
-        cls, model_dir: Path, source: Path, fingerprint: str, roots: Sequence[Path] = ROOTS
+        cls, model_dir: Path, source: Path, fingerprint: str, roots: Sequence[Path] = ROOTS, kept: bool = True
     ) -> "SharedTables":
         """The model's copy of ``source`` (made now if no worker made it yet), held by this
-        process until it exits."""
+        process until it exits; ``kept``: removed by its keeper once no process holds it (else
+        by a sweep)."""
         sweep(roots)
         key = hashlib.sha256(f"{Path(model_dir).resolve()}\n{fingerprint}".encode()).hexdigest()[:16]
         name = f"{Path(model_dir).name}-{key}"
@@ -87,6 +99,8 @@ class SharedTables:
             hold = _hold(folder)
             if hold is None:
                 continue
+            if kept:
+                _start_keeper(folder)
             copy = folder / source.name
             if not copy.exists():
                 _copy(source, folder)
@@ -106,13 +120,11 @@ def sweep(roots: Sequence[Path] = ROOTS) -> list[Path]:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                os.close(fd)
                 continue  # served
-            else:
-                shutil.rmtree(folder, ignore_errors=True)  # a worker waiting on its hold finds it unlinked
+            if keeper.remove(folder, fd):  # unless its keeper removed it meanwhile
                 removed.append(folder)
                 logger.info("removed %s: no worker serves it", folder)
-            finally:
-                os.close(fd)
     return removed
 
 
@@ -143,10 +155,17 @@ def _hold(folder: Path) -> int | None:
     except FileNotFoundError:
         return None
     fcntl.flock(fd, fcntl.LOCK_SH)
-    if os.fstat(fd).st_nlink == 0:  # swept while we waited for the lock
+    if not keeper.is_at(fd, folder / HOLD_FILE):  # removed while we waited for the lock
         os.close(fd)
         return None
     return fd
+
+
+def _start_keeper(folder: Path) -> None:
+    try:
+        keeper.spawn(folder)
+    except OSError as e:
+        logger.warning("no keeper for %s (%s): the next sweep removes it once no worker serves it", folder, e)
 
 
 def _copy(source: Path, folder: Path) -> None:
@@ -159,7 +178,7 @@ def _copy(source: Path, folder: Path) -> None:
         if copy.exists():
             return  # another worker made it while this one waited
         for leftover in folder.iterdir():
-            if leftover.name not in (HOLD_FILE, COPY_LOCK):
+            if leftover.name not in (HOLD_FILE, COPY_LOCK, KEEPER_LOCK):
                 shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
         started = time.perf_counter()
         staged = copy.with_name(copy.name + ".partial")

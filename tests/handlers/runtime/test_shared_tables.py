@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +20,7 @@ import orjson
 import pytest
 
 from handlers.runtime.archive_files import INPUTS, LOG_POINTER, MAILBOX, REFUSED
-from handlers.runtime.freshness import shared_tables
+from handlers.runtime.freshness import keeper, shared_tables
 from handlers.runtime.freshness.applier import STATE_FILE
 from handlers.runtime.freshness.shared_tables import (
     SharedTables,
@@ -103,34 +107,109 @@ def test_a_file_system_that_refuses_o_direct_gets_a_plain_copy(tmp_path, monkeyp
 
 def test_a_copy_is_kept_while_any_worker_holds_it_and_swept_after(archive, tmp_path):
     roots = (tmp_path / "shm",)
-    first = SharedTables.open(archive, archive / "weights.pt", "f" * 64, roots)
-    second = SharedTables.open(archive, archive / "weights.pt", "f" * 64, roots)
+    first = SharedTables.open(archive, archive / "weights.pt", "f" * 64, roots, kept=False)
+    second = SharedTables.open(archive, archive / "weights.pt", "f" * 64, roots, kept=False)
     _release(first)
     assert sweep(roots) == [] and first.file.exists()
     _release(second)
     assert sweep(roots) == [first.folder] and not first.folder.exists()
 
 
-def _serve(archive: Path, roots: tuple[Path, ...], ready) -> None:
-    SharedTables.open(archive, archive / "weights.pt", "f" * 64, roots)
+def _serve(archive: Path, roots: tuple[Path, ...], ready, kept: bool) -> None:
+    SharedTables.open(archive, archive / "weights.pt", "f" * 64, roots, kept=kept)
     ready.set()
     signal.pause()  # until killed
 
 
-def test_a_killed_worker_lets_go_of_its_copy(archive, tmp_path):
-    roots = (tmp_path / "shm",)
+def _serving(archive: Path, roots: tuple[Path, ...], kept: bool = True):
+    """A process that holds the copy (as a worker does) until it is killed."""
     context = multiprocessing.get_context("spawn")
     ready = context.Event()
-    worker = context.Process(target=_serve, args=(archive, roots, ready))
+    worker = context.Process(target=_serve, args=(archive, roots, ready, kept))
     worker.start()
+    assert ready.wait(60)
+    return worker
+
+
+def test_a_killed_worker_lets_go_of_its_copy(archive, tmp_path):
+    roots = (tmp_path / "shm",)
+    worker = _serving(archive, roots, kept=False)
     try:
-        assert ready.wait(60)
         assert sweep(roots) == []
     finally:
         worker.kill()
         worker.join()
     (folder,) = sweep(roots)
     assert not folder.exists()
+
+
+def _gone_within(folder: Path, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while folder.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not folder.exists()
+
+
+def test_the_keeper_removes_a_copy_once_its_last_worker_is_killed_and_not_before(archive, tmp_path):
+    """Killed (as TorchServe ends a worker it scales down), a worker runs none of its own code:
+    the copy goes all the same, with nothing left of it in its root."""
+    roots = (tmp_path / "shm",)
+    workers = [_serving(archive, roots), _serving(archive, roots)]
+    (folder,) = roots[0].iterdir()
+    workers[0].kill()
+    workers[0].join()
+    assert not _gone_within(folder, timeout_s=1.0)  # the other worker serves it
+    assert (folder / "weights.pt").read_bytes() == (archive / "weights.pt").read_bytes()
+    workers[1].kill()
+    workers[1].join()
+    assert _gone_within(folder)
+    assert list(roots[0].iterdir()) == []
+
+
+def _run_keeper(folder: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-I", "-S", keeper.__file__, str(folder)])
+
+
+def test_a_folder_has_one_keeper(archive, tmp_path):
+    tables = SharedTables.open(archive, archive / "weights.pt", "f" * 64, (tmp_path / "shm",))  # its keeper waits
+    _wait_for_keeper(tables.folder)
+    assert _run_keeper(tables.folder).wait(timeout=10) == 0  # a second one exits at once
+    assert tables.file.exists()
+    _release(tables)
+    assert _gone_within(tables.folder)
+
+
+def _wait_for_keeper(folder: Path) -> None:
+    """Until a keeper holds the folder's keeper lock."""
+    fd = os.open(folder / keeper.KEEPER_LOCK, os.O_RDWR | os.O_CREAT)
+    try:
+        for _ in range(200):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            time.sleep(0.05)
+        raise AssertionError(f"no keeper holds {folder}")
+    finally:
+        os.close(fd)
+
+
+def test_a_keeper_whose_copy_a_sweep_removed_exits_and_leaves_the_new_copy_alone(archive, tmp_path):
+    roots = (tmp_path / "shm",)
+    old = SharedTables.open(archive, archive / "weights.pt", "f" * 64, roots, kept=False)
+    sweeping = os.open(old.folder / keeper.HOLD_FILE, os.O_RDWR)
+    _release(old)
+    fcntl.flock(sweeping, fcntl.LOCK_EX)  # as a sweep does, before the keeper gets it
+    waiting = _run_keeper(old.folder)
+    _wait_for_keeper(old.folder)
+    assert keeper.remove(old.folder, sweeping)  # and releases it
+    new = SharedTables.open(archive, archive / "weights.pt", "f" * 64, roots, kept=False)  # a worker starts
+    assert new.folder == old.folder
+    assert waiting.wait(timeout=10) == 0
+    assert new.file.read_bytes() == (archive / "weights.pt").read_bytes()
+    assert [p.name for p in roots[0].iterdir()] == [new.folder.name]
+    _release(new)
 
 
 def test_a_half_swept_copy_is_made_again_without_its_old_state(archive, tmp_path):
