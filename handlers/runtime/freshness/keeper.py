@@ -13,8 +13,10 @@ folder, and one that was killed is replaced by the next worker that starts), the
 exclusive lock on ``hold``, which every worker of the copy holds shared while it lives. Once it
 has it, no worker is left: it removes the folder (``remove``) and exits; it exits as well where a
 sweep removed the folder first. It imports the standard library alone (the worker's copy of this
-package need not be on its path), sleeps in the kernel meanwhile, and runs at the priority of the
-worker's background work (``background``): freeing the copy's memory waits for idle cores.
+package need not be on its path), sleeps in the kernel meanwhile, and runs at a low priority of
+the normal policy (nice 10), not the ``SCHED_IDLE`` of the worker's background thread that may
+start it: an idle-policy keeper got no core at all while serving kept both busy, and the copy's
+gigabytes stayed in memory for as long.
 
 A folder is removed by renaming it out of the way first, then deleting it: a worker that starts
 meanwhile never finds half a folder at the model's path, only the whole old folder (whose
@@ -90,5 +92,17 @@ def remove(folder: Path, hold: int) -> bool:
     shutil.rmtree(doomed, ignore_errors=True)
     return True
 
+
+def _low_priority() -> None:
+    """The normal scheduling policy at nice 10 (where the system lets this process leave an
+    inherited ``SCHED_IDLE``; else it stays idle)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, 0, 10)
+    except OSError:
+        pass
+
+
 if __name__ == "__main__":
+    _low_priority()
     keep(Path(sys.argv[1]))
