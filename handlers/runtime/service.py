@@ -253,7 +253,7 @@ def _model_error(error: Exception) -> ServingError:
     if isinstance(error, _INPUT_ERRORS) or (
         isinstance(error, RuntimeError) and _INPUT_ERROR_WORDS.search(str(error))
     ):
-        logger.info("the model refused a request: %s: %s", type(error).__name__, error)
+        logger.debug("the model refused a request: %s: %s", type(error).__name__, error)
         return ModelRefused(error)
     logger.error("forward failed for one request", exc_info=error)
     return InternalError("model forward failed")
