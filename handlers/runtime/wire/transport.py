@@ -61,8 +61,9 @@ def opened(arrival: Arrival, max_bytes: int) -> Any:
 def too_large(size: int | None, max_bytes: int) -> PayloadTooLarge:
     """The refusal of a body of ``size`` bytes over ``max_bytes`` (None: a server stopped reading
     it past the limit, not knowing its size)."""
-    sent = f"{size:,} bytes, over" if size is not None else "over"
-    return PayloadTooLarge("body", f"{sent} the model's limit of {max_bytes:,} (limits.max_request_bytes)")
+    if size is None:
+        return PayloadTooLarge("body", f"over the model's limit of {max_bytes:,} bytes (limits.max_request_bytes)")
+    return PayloadTooLarge("body", f"{size:,} bytes, over the model's limit of {max_bytes:,} (limits.max_request_bytes)")
 
 
 def _gunzip(body: bytes | bytearray, max_bytes: int) -> bytes:
