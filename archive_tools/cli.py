@@ -259,6 +259,13 @@ def _plan(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     """TorchServe with our configuration; the archives registered; until Ctrl-C (or SIGTERM: the
     server is stopped either way, never left running)."""
+    if args.engine == "asgi":
+        from archive_tools.asgi_engine import serve_asgi  # uvicorn and Starlette: for this engine only
+
+        return serve_asgi(args)
+    given = [f"--{n.replace('_', '-')}" for n in ("workers", "port", "key_file") if getattr(args, n) is not None]
+    if given:
+        raise InputError(f"{', '.join(given)}: only with --engine asgi (TorchServe's come from --config)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     store = args.model_store.resolve()
     with LocalTorchServe(model_store=store, config=args.config, free_ports=args.free_ports) as server:

@@ -233,9 +233,20 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-store", type=Path, default=Path("model_store"), help="the archives' folder"
     )
+    parser.add_argument(
+        "--engine", choices=("torchserve", "asgi"), default="torchserve",
+        help="torchserve, or asgi: the project's own server (uvicorn), same requests and answers on one port",
+    )
     parser.add_argument("--config", type=Path, help="TorchServe config (default: the project's)")
     parser.add_argument(
-        "--free-ports", action="store_true", help="listen on free ports, not the config's"
+        "--free-ports", action="store_true", help="listen on free ports, not the config's (asgi: not --port)"
+    )
+    parser.add_argument("--workers", type=int, help="asgi: server processes (default: one per core)")
+    parser.add_argument("--port", type=int, help="asgi: the port of every route (default: 8080)")
+    parser.add_argument(
+        "--key-file", type=Path,
+        help="asgi: JSON {\"inference\": {\"key\": ...}}, read if it exists, else written with a new key "
+        "(default: keys.json in a new temporary folder)",
     )
 
 

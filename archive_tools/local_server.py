@@ -113,7 +113,7 @@ class LocalTorchServe:
         self.startup_timeout_s = startup_timeout_s
         self.keep_logs = keep_logs
         self.ports = (
-            {key: _free_port() for key in _PORT_KEYS}
+            {key: free_port() for key in _PORT_KEYS}
             if free_ports
             else _configured_ports(self.base_config)
         )
@@ -378,7 +378,7 @@ def _configured_ports(config: Path) -> dict[str, int]:
     return ports
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

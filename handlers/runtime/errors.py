@@ -99,3 +99,28 @@ class ShardUnavailable(ServingError):
             "shard",
         )
         self.shard = shard
+
+
+# The errors a server answers before a request reaches the model. Their class names are the
+# ``type`` TorchServe's answers carry, so that a client reads the same body from either engine.
+
+
+class InvalidKeyException(ServingError):
+    """A missing or wrong key: 400, as TorchServe's token authorization answers it."""
+
+    status = 400
+
+    def __init__(self) -> None:
+        super().__init__("Token Authorization failed. Token either incorrect, expired, or not provided correctly")
+
+
+class ModelNotFoundException(ServingError):
+    """No model (or no such version of it) is served under that name: 404."""
+
+    status = 404
+
+
+class ServiceUnavailable(ServingError):
+    """The model's queue is over its wait target (or full): 503 at once, retried with backoff."""
+
+    status = 503

@@ -42,9 +42,7 @@ def opened(arrival: Arrival, max_bytes: int) -> Any:
     if not isinstance(body, (bytes, bytearray)):
         return body
     if len(body) > max_bytes:
-        raise PayloadTooLarge(
-            "body", f"{len(body):,} bytes, over the model's limit of {max_bytes:,} (limits.max_request_bytes)"
-        )
+        raise too_large(len(body), max_bytes)
     if arrival.content_encoding is not None:
         encoding = arrival.content_encoding.strip().lower()
         if encoding == "gzip":
@@ -58,6 +56,14 @@ def opened(arrival: Arrival, max_bytes: int) -> Any:
     except ValueError:
         json_length = -1  # refused, naming the header, by the decoder
     return BinaryBody(body, json_length)
+
+
+def too_large(size: int | None, max_bytes: int) -> PayloadTooLarge:
+    """The refusal of a body of ``size`` bytes over ``max_bytes`` (None: a server stopped reading
+    it past the limit, not knowing its size)."""
+    if size is None:
+        return PayloadTooLarge("body", f"over the model's limit of {max_bytes:,} bytes (limits.max_request_bytes)")
+    return PayloadTooLarge("body", f"{size:,} bytes, over the model's limit of {max_bytes:,} (limits.max_request_bytes)")
 
 
 def _gunzip(body: bytes | bytearray, max_bytes: int) -> bytes:

@@ -1,0 +1,117 @@
+"""The models one ASGI process serves: each archive folder loaded once, as a TorchServe worker
+loads it (``handlers.torchserve_handler.DLRMHandler.initialize``): the ``handler`` options, the
+freshness section and the tables' working copy (``WorkerFreshness.open``), ``load_service``, the
+delta log replayed behind a ``LockedRunner``; then a ``Batcher`` with the archive's batching and
+admission settings.
+
+    models = ModelRegistry.load([Path("/tmp/asgi-x/tiny")], forwards)   # before serving
+    model = models.get("tiny", version=None)     # the first version loaded; ModelNotFoundException
+    await model.batcher.submit(arrival)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any, Sequence
+
+import orjson
+
+from handlers.asgi.admission import AdmissionRule
+from handlers.asgi.batcher import Batcher, BatchPolicy
+from handlers.loading import load_service
+from handlers.runtime.archive import Archive
+from handlers.runtime.archive_files import MANIFEST
+from handlers.runtime.errors import InputError, ModelNotFoundException
+from handlers.runtime.freshness.config import FreshnessConfig
+from handlers.runtime.freshness.worker import LockedRunner, WorkerFreshness
+from handlers.runtime.service import ScoringService
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ServedModel:
+    name: str
+    version: str | None
+    service: ScoringService
+    batcher: Batcher
+    freshness: WorkerFreshness | str  # or why the archive takes no deltas
+
+
+class ModelRegistry:
+    """Models by name, then version; a name's first version loaded is its default."""
+
+    def __init__(self, models: Sequence[ServedModel]) -> None:
+        self.models = list(models)
+        self._by_name: dict[str, dict[str | None, ServedModel]] = {}
+        for model in models:
+            versions = self._by_name.setdefault(model.name, {})
+            if model.version in versions:
+                raise InputError(f"model {model.name} version {model.version}: given twice")
+            versions[model.version] = model
+
+    @classmethod
+    def load(cls, folders: Sequence[Path], forwards: Executor) -> "ModelRegistry":
+        return cls([load_model(folder, forwards) for folder in folders])
+
+    def get(self, name: str, version: str | None = None) -> ServedModel:
+        versions = self._by_name.get(name)
+        if versions is None:
+            raise ModelNotFoundException(f"Model not found: {name}")
+        if version is None:
+            return next(iter(versions.values()))
+        if version not in versions:
+            raise ModelNotFoundException(f"Model version: {version} does not exist for model: {name}")
+        return versions[version]
+
+    def versions(self, name: str) -> list[str]:
+        self.get(name)
+        return [v for v in self._by_name[name] if v is not None]
+
+
+def load_model(folder: Path, forwards: Executor) -> ServedModel:
+    """An unpacked archive's model, loaded as a TorchServe worker loads it, behind its batcher."""
+    started = time.perf_counter()
+    archive = Archive(folder)
+    config: dict[str, Any] = archive.model_config
+    options = archive.options
+    name, version = _manifest_model(archive)
+    freshness = WorkerFreshness.open(folder, options, FreshnessConfig.from_mapping(config.get("freshness")))
+    tables = freshness.weights_file if isinstance(freshness, WorkerFreshness) else None
+    service = load_service(folder, options, None, model_name=name, tables_file=tables, model_version=version)
+    if isinstance(freshness, WorkerFreshness):
+        freshness.start(service.model)  # the model's delta log replayed before the first request
+        service.model = LockedRunner(service.model, freshness.lock)
+    policy = BatchPolicy.from_model_config(config, str(folder))
+    rule = AdmissionRule(
+        label=f"model {name} version {version}",
+        batch_size=policy.batch_size,
+        max_queue_wait_ms=_guard_wait_ms(config, folder),
+    )
+    batcher = Batcher(lambda arrivals: service.handle(arrivals).responses, policy, forwards, rule)
+    logger.info(
+        "loaded model %s version %s from %s, running %s in %.2fs (batch %d, %g ms)",
+        name, version, folder, options.describe(), time.perf_counter() - started, policy.batch_size, policy.max_delay_ms,
+    )
+    return ServedModel(name, version, service, batcher, freshness)
+
+
+def _manifest_model(archive: Archive) -> tuple[str, str | None]:
+    """The model's name and version, as torch-model-archiver's manifest gives them to TorchServe."""
+    try:
+        model = orjson.loads(archive.file(MANIFEST).read_bytes())["model"]
+        return str(model["modelName"]), (str(model["modelVersion"]) if model.get("modelVersion") else None)
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        raise InputError(f"{archive.path}: {MANIFEST}: must name model.modelName") from None
+
+
+def _guard_wait_ms(config: dict[str, Any], folder: Path) -> int:
+    guard = config.get("guard") or {}
+    wait = guard.get("max_queue_wait_ms", 0) if isinstance(guard, dict) else 0
+    if type(wait) is not int or wait < 0:
+        raise InputError(f"{folder}: guard.max_queue_wait_ms: must be a whole number >= 0, got {wait!r}")
+    return wait
