@@ -109,5 +109,6 @@ def test_the_runtimes_args_are_serve_options():
     args = [arg.replace("{{.Name}}", "criteo") for arg in container["args"]]
     entrypoint = json.loads(_instructions("ENTRYPOINT")[0])
     options, unknown = parser.parse_known_args(entrypoint[2:] + args)
-    assert unknown == []
+    assert unknown == [], "the ServingRuntime passes options `torchrec-serve serve` does not take"
     assert (options.engine, options.model_store, options.archives) == ("asgi", Path("/mnt/models"), ["criteo.mar"])
+    assert (options.port, options.workers) == (8080, 2)

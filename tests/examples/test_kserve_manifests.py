@@ -7,7 +7,8 @@ Checked:
   metadata) against kubernetes-validate's strict Kubernetes 1.33 schemas; the Secret whole against
   its schema. A misspelled field, at either level, is refused by name (the tests that break them);
 * that they fit together as KServe pairs them: the InferenceService's runtime, model format and
-  protocol are the ServingRuntime's; the key the container reads is the Secret's; the probes ask the
+  protocol are the ServingRuntime's; the key file the container
+  reads is the Secret's, in the engine's form; the probes ask the
   container's port (8080, where KServe sends requests) for /v2/health/ready and /v2/health/live; the
   runtime serves {{.Name}}.mar from /mnt/models, where KServe puts the storageUri's content.
 
@@ -20,6 +21,7 @@ here), and that the engine answers on those routes (the engine's own tests).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -108,11 +110,15 @@ def test_the_inference_service_is_given_the_runtime(runtime, service):
     assert model["protocolVersion"] in runtime["spec"]["protocolVersions"]
 
 
-def test_the_container_reads_the_secrets_key(runtime, secret):
+def test_the_container_reads_its_key_from_the_secret(runtime, secret):
+    """The Secret's keys.json, mounted where --key-file names it, in the engine's key file form."""
     (container,) = runtime["spec"]["containers"]
-    references = [entry["valueFrom"]["secretKeyRef"] for entry in container["env"] if "valueFrom" in entry]
-    assert references == [{"name": secret["metadata"]["name"], "key": "inference-key"}]
-    assert "inference-key" in secret["stringData"]
+    (key_file,) = [arg.removeprefix("--key-file=") for arg in container["args"] if arg.startswith("--key-file=")]
+    volumes = {volume["name"]: volume for volume in runtime["spec"]["volumes"]}
+    (mount,) = [mount for mount in container["volumeMounts"] if "secret" in volumes[mount["name"]]]
+    assert volumes[mount["name"]]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert key_file == f"{mount['mountPath']}/keys.json"
+    assert json.loads(secret["stringData"]["keys.json"])["inference"]["key"]
 
 
 def test_the_probes_ask_the_served_port_for_v2_health(runtime):
