@@ -56,6 +56,7 @@ $(STAMP): pyproject.toml examples/din/pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/pip install --quiet --no-deps torchrec==1.8.0
 	$(BIN)/pip install --quiet --no-deps -e examples/din  # the DIN example: a user's own architecture package
+	$(BIN)/pip install --quiet --no-deps kserve==0.21.0  # its SDK's models check examples/kserve (tests/examples); the rest of it would take protobuf<7, psutil<6
 	$(BIN)/torchrec-serve --help > /dev/null
 	$(BIN)/python -c "from handlers.runtime.remote.grpc_stubs import messages; messages()"  # gRPC stubs compile
 	$(BIN)/python -c "import torch, torchrec, fbgemm_gpu, ts; print('torch', torch.__version__, 'torchrec', torchrec.__version__)"
