@@ -21,7 +21,9 @@ from handlers.runtime.errors import InputError
 def serve_asgi(args: argparse.Namespace) -> int:
     """The archives on the project's own ASGI server (uvicorn), until Ctrl-C or SIGTERM."""
     if args.config is not None:
-        raise InputError("--config: TorchServe's configuration; the asgi engine takes --port, --workers, --key-file")
+        raise InputError(
+            "--config: TorchServe's configuration; the asgi engine takes --host, --port, --workers, --key-file"
+        )
     if args.free_ports and args.port is not None:
         raise InputError("--free-ports: listens on a free port, not --port; give one of them")
     workers = args.workers if args.workers is not None else os.cpu_count() or 1
@@ -30,8 +32,9 @@ def serve_asgi(args: argparse.Namespace) -> int:
     port = free_port() if args.free_ports else (args.port or 8080)
     key_file = (args.key_file or Path(tempfile.mkdtemp(prefix="torchrec-serve-asgi-")) / "keys.json").resolve()
     KeyFile(key_file).key()  # written now if it does not exist
+    host = args.host or "127.0.0.1"
     with ServedArchives(args.model_store.resolve(), args.archives) as folders:
-        print(f"ASGI engine: every route on http://127.0.0.1:{port}, {workers} processes")
+        print(f"ASGI engine: every route on http://{host}:{port}, {workers} processes")
         print(f"keys (Authorization: Bearer <key>): {key_file}", flush=True)
-        run(EngineSettings(folders, key_file), host="127.0.0.1", port=port, workers=workers)
+        run(EngineSettings(folders, key_file), host=host, port=port, workers=workers)
     return 0

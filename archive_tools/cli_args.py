@@ -244,6 +244,9 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, help="asgi: server processes (default: one per core)")
     parser.add_argument("--port", type=int, help="asgi: the port of every route (default: 8080)")
     parser.add_argument(
+        "--host", help="asgi: the address to listen on (default: 127.0.0.1; 0.0.0.0 in a container)"
+    )
+    parser.add_argument(
         "--key-file", type=Path,
         help="asgi: JSON {\"inference\": {\"key\": ...}}, read if it exists, else written with a new key "
         "(default: keys.json in a new temporary folder)",

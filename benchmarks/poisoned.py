@@ -55,7 +55,9 @@ def traffic(seed: int = 0) -> tuple[Traffic, Traffic]:
     rng = np.random.default_rng(seed)
     requests = [
         {
-            "items": [{"dense": [0.0], "sparse": {"candidate": [int(rng.integers(2000))], "user_id": [int(rng.integers(500))]}}],
+            "items": [
+                {"dense": [0.0], "sparse": {"candidate": [int(rng.integers(2000))], "user_id": [int(rng.integers(500))]}}
+            ],
             "context_sparse": {"history": rng.integers(2000, size=int(rng.integers(21))).tolist()},
         }
         for _ in range(REQUESTS)
