@@ -32,7 +32,9 @@ def test_freshness_smoke_scenario_runs_with_no_failed_request(tmp_path):
     assert figures["version_swap_failed_requests"] == 0
     assert len(figures["publish_to_visible_s"]) == 6 and figures["rows_per_min"] > 0
     assert len(figures["machine_stalls"]) >= figures["machine_stalls_idle"] + figures["machine_stalls_during"]
-    cores = os.cpu_count()
+    # /proc/stat counts in 10 ms ticks, read a moment apart from the wall clock: a saturated
+    # machine measures a hair over its cores (2.0003 of 2 measured), never 1% over
+    cores = os.cpu_count() * 1.01
     assert 0 < figures["cpu_busy_cores_idle"] <= cores and 0 < figures["cpu_busy_cores_during"] <= cores
     for name in ("summary.txt", "freshness.png"):
         assert (out / name).stat().st_size > 0
