@@ -2,7 +2,7 @@
 #   make demo   build the example archive, start TorchServe, register, score the example requests
 #   make test   run the whole test suite
 #   make bench SCENARIO=criteo   run a benchmark scenario (smoke, criteo, speed, reliability, freshness, ...); results in benchmarks/results/
-#                                (SCENARIO=plan DATA=FILE: the planner on a click log, a Criteo TSV)
+#                                (SCENARIO=plan DATA="FILE ...": the planner on a click log: Criteo TSV/CSV files, or libfm files)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

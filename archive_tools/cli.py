@@ -306,7 +306,7 @@ def _bench(args: argparse.Namespace) -> int:
     command += ["--out", str(args.out)] if args.out else []
     for trace in args.trace:
         command += ["--trace", trace]
-    command += ["--data", str(args.data)] if args.data else []
+    command += ["--data", *map(str, args.data)] if args.data else []
     return subprocess.call(command)
 
 

@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="WORKLOAD=FILE",
         help="replay a JSON-lines trace (one request body per line) instead of generated traffic",
     )
-    parser.add_argument("--data", type=Path, help="plan: the click log to plan on (a Criteo TSV)")
+    parser.add_argument("--data", type=Path, nargs="+",
+                        help="plan: the click log to plan on (Criteo TSV/CSV files, merged; or libfm files)")
     args = parser.parse_args(argv)
     traces = {}
     for item in args.trace:

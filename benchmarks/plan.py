@@ -1,32 +1,41 @@
 """The ``plan`` scenario: the memory planner (``torchrec-serve plan``) on a real click log, and its
 planning time at the Criteo 1TB size.
 
-    make bench SCENARIO=plan DATA=/path/to/criteo_sample.tsv
+    make bench SCENARIO=plan DATA="train_examples.txt criteo_sample.txt part-0"       # Criteo lines
+    make bench SCENARIO=plan DATA="frappe.validation.libfm frappe.test.libfm"        # a libfm log
 
-1. **A real click log.** ``DATA`` is a Criteo TSV (label, 13 integer and 26 hex categorical
-   fields; Criteo's ``dac_sample.txt``, or any slice of the Display Advertising Challenge's
-   ``train.txt``). The first ``TRAIN_SHARE`` of its lines train the Criteo-shaped DLRM
-   (``config/models/criteo.yaml``: ids hashed into tables of at most 100k rows); the rest is the
-   planner's data, split into a plan split and held-out data. The planner prunes with the ids'
-   counts in the training lines.
-2. **The Criteo 1TB size.** ``criteo_1tb.yaml`` with every table int8 (11.3 GiB: the widest dtype
-   that fits this machine; fp16 would take 22.6 GiB), seeded random tables made in int8: they are
-   the reference, as no float model fits. Labelled requests are generated from the spec (clicks
-   drawn from the reference's own scores) and the planner runs with pruning, timed.
+1. **A real click log.** ``DATA``: Criteo files (label, 13 integer and 26 hex categorical fields;
+   tab-separated, or comma-separated with a header), merged and de-duplicated
+   (``click_logs.merge_criteo``), for the Criteo-shaped DLRM (``config/models/criteo.yaml``: ids
+   hashed into tables of at most 100k rows); or ``.libfm`` files, turned into a TSV and a spec
+   (``click_logs.libfm_to_criteo``). The converted data lives in a temporary folder only. The
+   first ``TRAIN_SHARE`` of the lines train the DLRM; the rest is the planner's, split at random
+   (by requests of 64 lines) into a plan split and ``HOLDOUT_SHARE`` held out (at least
+   ``MIN_HOLDOUT_ROWS``): no split sees another's rows. The planner prunes with the ids' counts in
+   the training lines.
+2. **The Criteo 1TB size** (with Criteo data only). ``criteo_1tb.yaml`` with every table int8
+   (11.3 GiB: the widest dtype that fits this machine; fp16 would take 22.6 GiB), seeded random
+   tables made in int8: they are the reference, as no float model fits. Labelled requests are
+   generated from the spec (clicks drawn from the reference's own scores) and the planner runs
+   with pruning, timed.
 
-Writes ``benchmarks/results/plan/plan.json``: from the click log ``budget_auc_drop``,
-``float_auc`` (held out), ``planned_auc_holdout``, ``planned_table_bytes``, ``best_uniform_dtype``,
-``best_uniform_table_bytes``, ``bytes_ratio`` (planned / best uniform), ``pruned_rows``,
-``plan_s`` (the whole ``plan_model``: probe, search, outputs); from the 1TB size
-``plan_s_criteo_1tb`` (the same, from int8 tables in memory) and its figures under ``criteo_1tb``; with
-each run's own report and plot beside it (``real/``, ``criteo_1tb/``) and ``summary.txt``.
-Targets: ``bytes_ratio`` at most 0.7 at an AUC drop of at most 0.0005 on held-out data; the 1TB
-plan in at most 15 minutes.
+Writes ``benchmarks/results/plan/plan.json`` (Criteo; ``plan_NAME.json`` for a libfm log named
+``NAME.*.libfm``): ``budget_auc_drop``, ``float_auc`` and ``planned_auc_holdout`` (held out),
+``auc_drop`` and ``auc_drop_ci95`` (its paired bootstrap 95% interval), ``holdout_rows``,
+``planned_table_bytes``, ``best_uniform_dtype``, ``best_uniform_table_bytes``, ``bytes_ratio``
+(planned / best uniform), ``pruned_rows``, ``pruning_saved_bytes``, ``plan_s`` (the whole
+``plan_model``: probe, search, outputs), ``why`` (the moves the held-out rows refused, what the
+kept moves reached, the uniform dtypes); from the 1TB size ``plan_s_criteo_1tb`` and its figures
+under ``criteo_1tb``; each run's own report and plot beside it (``real/`` or ``NAME/``,
+``criteo_1tb/``) and ``summary.txt`` (``summary_NAME.txt``). Targets: ``bytes_ratio`` at most 0.7
+with the AUC drop's interval within 0.0005 on held-out data; the 1TB plan in at most 15 minutes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,70 +54,124 @@ from handlers.modeling.registry import input_schema, load_spec
 from handlers.modeling.spec import WeightDtype
 from handlers.runtime.batching import coalesce
 from handlers.runtime.wire.decoder import RequestDecoder
+from handlers.modeling.spec import ModelSpec
+from benchmarks.click_logs import FRAPPE_FIELDS, libfm_to_criteo, merge_criteo
 from benchmarks.scenarios import MODELS
 
 PLAN_SCENARIOS = ("plan",)
 BUDGET = Budget(max_auc_drop=0.0005, max_ne_increase=0.002)
-TRAIN_SHARE = 0.6  # of the click log's lines, for training; the rest is the planner's
+TRAIN_SHARE = 0.5  # of the click log's lines, for training; the rest is the planner's
+HOLDOUT_SHARE = 0.5  # of the planner's requests, held out: the plan is checked there, chosen on the rest
+MIN_HOLDOUT_ROWS = 2000  # fewer cannot resolve the budget: one swapped pair moves the AUC by ~1/(clicks x others)
 EPOCHS = 4
 TARGET_BYTES_RATIO = 0.7
 TARGET_PLAN_MINUTES_1TB = 15.0
 REQUESTS_1TB, ITEMS_1TB = 256, 32  # generated labelled data at the 1TB size
 
 
-def run_plan(out_dir: Path, data: Path | None) -> dict:
-    if data is None:
+def run_plan(out_dir: Path, data: list[Path] | None) -> dict:
+    if not data:
         raise SystemExit(
-            "plan: give a click log, a Criteo TSV: make bench SCENARIO=plan DATA=FILE (see benchmarks/README.md)"
+            "plan: give a click log: make bench SCENARIO=plan DATA=\"FILE ...\" (Criteo TSV/CSV files, or libfm "
+            "files; see benchmarks/README.md)"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
-    real, real_s = _real_click_log(data, out_dir / "real")
-    big, big_s = _criteo_1tb(out_dir / "criteo_1tb")
+    with tempfile.TemporaryDirectory(prefix="plan-click-log-") as tmp:  # converted data: never in the results
+        log = _click_log(data, Path(tmp))
+        criteo = log.spec.name == "criteo"
+        real, real_s, rows = _real_click_log(log, out_dir / ("real" if criteo else log.spec.name))
     real_report = orjson.loads(real.report.read_bytes())
-    big_report = orjson.loads(big.report.read_bytes())
     best = real_report["best_uniform"]
+    planned = real_report["planned"]
     results = {
         "scenario": "plan",
-        "data": str(data),
+        "data": [str(p) for p in data],
+        "click_log": log.note,
+        "spec": log.spec.name,
+        "rows": rows,
+        "holdout_rows": rows["holdout"],
         "budget_auc_drop": BUDGET.max_auc_drop,
         "float_auc": real_report["reference"]["holdout"]["auc"],
-        "planned_auc_holdout": real_report["planned"]["holdout"]["auc"],
-        "planned_table_bytes": real_report["planned"]["table_bytes"],
+        "planned_auc_holdout": planned["holdout"]["auc"],
+        "auc_drop": planned["auc_drop"],
+        "auc_drop_ci95": planned["auc_drop_ci95"],
+        "planned_table_bytes": planned["table_bytes"],
         "best_uniform_dtype": None if best is None else best["label"].removeprefix("all "),
         "best_uniform_table_bytes": None if best is None else best["table_bytes"],
         "bytes_ratio": real_report["bytes_ratio_to_best_uniform"],
         "pruned_rows": real_report["pruned_rows"],
+        "pruning_saved_bytes": planned["pruning_saved_bytes"],
         "plan_s": real_s,
-        "plan_s_criteo_1tb": big_s,
+        "why": _why(real_report),
         "real": _figures(real_report),
-        "criteo_1tb": _figures(big_report),
     }
-    drop = real_report["planned"]["auc_drop"]
+    low, high = planned["auc_drop_ci95"]
     results["targets"] = [
-        _target(f"bytes_ratio <= {TARGET_BYTES_RATIO} at AUC drop <= {BUDGET.max_auc_drop} (held out: {drop:.2e})",
-                results["bytes_ratio"], TARGET_BYTES_RATIO, drop <= BUDGET.max_auc_drop),
-        _target(f"Criteo 1TB size planned in <= {TARGET_PLAN_MINUTES_1TB:g} min, every move tried", big_s / 60,
-                TARGET_PLAN_MINUTES_1TB, not big_report["stopped_early"]),
+        _target(f"bytes_ratio <= {TARGET_BYTES_RATIO} at AUC drop <= {BUDGET.max_auc_drop} on {rows['holdout']:,} "
+                f"held-out rows (drop {planned['auc_drop']:.2e}, 95% interval [{low:.2e}, {high:.2e}])",
+                results["bytes_ratio"], TARGET_BYTES_RATIO, high <= BUDGET.max_auc_drop),
     ]
-    (out_dir / "plan.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+    if criteo:  # the 1TB size is Criteo's: planned beside the Criteo click log
+        big, big_s = _criteo_1tb(out_dir / "criteo_1tb")
+        big_report = orjson.loads(big.report.read_bytes())
+        results["plan_s_criteo_1tb"] = big_s
+        results["criteo_1tb"] = _figures(big_report)
+        results["targets"].append(
+            _target(f"Criteo 1TB size planned in <= {TARGET_PLAN_MINUTES_1TB:g} min, every move tried", big_s / 60,
+                    TARGET_PLAN_MINUTES_1TB, not big_report["stopped_early"]))
+    stem = "plan" if criteo else f"plan_{log.spec.name}"
+    (out_dir / f"{stem}.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     lines = _summary(results)
-    (out_dir / "summary.txt").write_text("\n".join(lines) + "\n")
+    (out_dir / ("summary.txt" if criteo else f"summary_{log.spec.name}.txt")).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return results
 
 
-def _real_click_log(path: Path, out: Path) -> tuple[PlanOutputs, float]:
-    """The plan of a DLRM trained on the click log's first lines, and how long planning took."""
-    spec = load_spec(MODELS / "criteo.yaml")
-    data = read_validation(path, spec)
+@dataclasses.dataclass(frozen=True)
+class ClickLog:
+    spec: ModelSpec
+    tsv: Path  # in the Criteo layout
+    note: str  # what was read and how it was converted
+
+
+def _click_log(data: list[Path], tmp: Path) -> ClickLog:
+    """libfm files (``.libfm``) -> their spec and a TSV; anything else: Criteo lines, merged and de-duplicated."""
+    if all(p.suffix == ".libfm" for p in data):
+        name = data[0].name.split(".")[0]
+        first = next(line for line in data[0].read_text().splitlines() if line.strip())
+        fields = FRAPPE_FIELDS if name == "frappe" else tuple(f"field_{i}" for i in range(len(first.split()) - 1))
+        spec_path, tsv = libfm_to_criteo(data, tmp, name, fields)
+        spec = load_spec(spec_path)
+        lines = sum(1 for _ in tsv.open())
+        note = (f"libfm, {lines:,} lines: one table per field ({', '.join(f'{t.features[0]} {t.rows}' for t in spec.tables)} "
+                "rows: the distinct ids), labels -1 -> 0, one constant dense feature (a DLRM spec needs one)")
+        return ClickLog(spec, tsv, note)
+    if any(p.suffix == ".libfm" for p in data):
+        raise SystemExit("plan: DATA mixes libfm and Criteo files: give one layout")
+    merged = merge_criteo(data, tmp / "criteo.tsv")
+    read = sum(merged.lines_read.values())
+    note = f"Criteo, {read:,} lines read, {merged.distinct:,} distinct (each written once, in order of first sight)"
+    return ClickLog(load_spec(MODELS / "criteo.yaml"), merged.path, note)
+
+
+def _real_click_log(log: ClickLog, out: Path) -> tuple[PlanOutputs, float, dict[str, int]]:
+    """The plan of a DLRM trained on the click log's first lines, how long planning took, and the
+    rows of each split (training, plan, held out: none sees another's)."""
+    spec = log.spec
+    data = read_validation(log.tsv, spec)
     cut = round(len(data.requests) * TRAIN_SHARE)
     training, planning = subset(data, range(cut), "training"), subset(data, range(cut, len(data.requests)), "planning")
+    plan_data, holdout = split_validation(planning, HOLDOUT_SHARE, seed=0)
+    rows = {name: sum(map(len, split.labels or [])) for name, split in
+            (("training", training), ("plan", plan_data), ("holdout", holdout))}
+    if rows["holdout"] < MIN_HOLDOUT_ROWS:
+        raise SystemExit(f"plan: {log.tsv.name}: {rows['holdout']} held-out rows, fewer than {MIN_HOLDOUT_ROWS}: "
+                         "the budget cannot be resolved; give a larger click log")
     model = _train(spec, training)
-    plan_data, holdout = split_validation(planning, 0.3, seed=0)
     counts = count_ids(spec, training)  # how often training looked each id up
     started = time.perf_counter()
     outputs = plan_model(spec, FloatTables(model), plan_data, holdout, BUDGET, out, prune=True, counts=counts)
-    return outputs, time.perf_counter() - started
+    return outputs, time.perf_counter() - started, rows
 
 
 def _criteo_1tb(out: Path) -> tuple[PlanOutputs, float]:
@@ -174,20 +237,55 @@ def _target(label: str, measured: float | None, bound: float, condition: bool) -
     return {"target": label, "measured": measured, "op": "<=", "bound": bound, "met": met}
 
 
+def _why(report: dict) -> dict:
+    """What decided the plan: the moves the held-out rows refused, what the kept moves reached
+    (with what their pruning saved), and the moves a uniform dtype beat."""
+    combined, best = report["combined"], report["best_uniform"]
+    return {
+        "moves_refused_by_holdout": report["backed_off"],
+        "moves_superseded_by_uniform": report["superseded"],
+        "combined": {
+            "table_bytes": combined["table_bytes"],
+            "bytes_ratio": None if best is None else combined["table_bytes"] / best["table_bytes"],
+            "auc_drop": combined["auc_drop"],
+            "auc_drop_ci95": combined["auc_drop_ci95"],
+            "pruning_saved_bytes": combined["pruning_saved_bytes"],
+            "within_budget": combined["within_budget"],
+        },
+        "uniform": {p["label"]: {"table_bytes": p["table_bytes"], "auc_drop": p["auc_drop"],
+                                 "auc_drop_ci95": p["auc_drop_ci95"], "within_budget": p["within_budget"]}
+                    for p in report["uniform"]},
+    }
+
+
 def _summary(results: dict) -> list[str]:
-    real, big = results["real"], results["criteo_1tb"]
+    real, why = results["real"], results["why"]
+    low, high = results["auc_drop_ci95"]
+    rows = results["rows"]
+    combined = why["combined"]
     lines = [
-        f"plan: click log {results['data']}",
+        f"plan: click log {', '.join(results['data'])}",
+        f"  {results['click_log']}",
+        f"  rows: {rows['training']:,} train, {rows['plan']:,} plan, {rows['holdout']:,} held out",
         f"  float AUC {results['float_auc']:.4f} held out; planned {results['planned_auc_holdout']:.4f} "
-        f"(drop {real['planned']['auc_drop']:.2e}, budget {results['budget_auc_drop']})",
-        f"  tables {results['planned_table_bytes'] / 2**20:.1f} MiB planned vs "
-        f"{(results['best_uniform_table_bytes'] or 0) / 2**20:.1f} MiB for the best uniform dtype "
+        f"(drop {results['auc_drop']:.2e}, 95% interval [{low:.2e}, {high:.2e}], budget {results['budget_auc_drop']})",
+        f"  tables {results['planned_table_bytes'] / 2**20:.2f} MiB planned ({real['planned']['label']}) vs "
+        f"{(results['best_uniform_table_bytes'] or 0) / 2**20:.2f} MiB for the best uniform dtype "
         f"({results['best_uniform_dtype']}): ratio {results['bytes_ratio']}",
-        f"  {results['pruned_rows']:,} rows pruned; planned in {results['plan_s']:.0f} s (search {real['seconds']:.0f} s)",
-        f"criteo_1tb (reference: {big['reference']})",
-        f"  planned {big['planned']['table_bytes'] / 2**30:.2f} GiB, ratio {big['bytes_ratio']} to the best "
-        f"uniform dtype; {big['pruned_rows']:,} rows pruned; planned in {results['plan_s_criteo_1tb']:.0f} s "
-        f"(search {big['seconds']:.0f} s)",
+        f"  {results['pruned_rows']:,} rows pruned (saving {results['pruning_saved_bytes'] / 2**20:.2f} MiB); "
+        f"planned in {results['plan_s']:.0f} s (search {real['seconds']:.0f} s)",
+        f"  the moves: {len(why['moves_refused_by_holdout'])} refused by the held-out rows; the kept ones reach "
+        f"{combined['table_bytes'] / 2**20:.2f} MiB (ratio {combined['bytes_ratio']}, drop {combined['auc_drop']:.2e}, "
+        f"pruning saving {combined['pruning_saved_bytes'] / 2**20:.2f} MiB)"
+        + (f", beaten by a uniform dtype" if why["moves_superseded_by_uniform"] else ""),
     ]
+    if "criteo_1tb" in results:
+        big = results["criteo_1tb"]
+        lines += [
+            f"criteo_1tb (reference: {big['reference']})",
+            f"  planned {big['planned']['table_bytes'] / 2**30:.2f} GiB, ratio {big['bytes_ratio']} to the best "
+            f"uniform dtype; {big['pruned_rows']:,} rows pruned; planned in {results['plan_s_criteo_1tb']:.0f} s "
+            f"(search {big['seconds']:.0f} s)",
+        ]
     lines += [f"  {'met' if t['met'] else 'MISSED'}: {t['target']} (measured {t['measured']})" for t in results["targets"]]
     return lines

@@ -45,10 +45,11 @@ def load_service(
     file that holds the tables, mapped instead of it (the working copy that deltas change)."""
     model_dir = Path(model_dir)
     schema = Archive(model_dir).inputs
+    pruned_ids = PrunedIdCounter.of_archive(model_dir, schema)  # before the model: a missing file is named first
     runner = load_runner(model_dir, schema, options, gpu_id, tables_file)
     return ScoringService(
         schema, runner, model_name, threads_for=options.threads_for, model_version=model_version,
-        pruned_ids=PrunedIdCounter.of_archive(model_dir, schema),
+        pruned_ids=pruned_ids,
         unseen_ids=UnseenIdCounter.of_runner(schema, runner),
     )
 

@@ -8,7 +8,8 @@ served rows for those ids, and its scores are the full model's.
 
     probe = TableProbe(spec, FloatTables(float_model), {"plan": plan_data, "holdout": holdout_data})
     probe.quality("plan", {"t_user": WeightDtype.INT4})       # float model, one table as int4
-    probe.served_quality("holdout", dtypes)                    # the served model: quantized, dense precision
+    probe.served_quality("holdout", dtypes)                    # the served model: quantized, dense precision,
+                                                               # with its AUC drop's bootstrap interval
 
 ``quality`` rounds the chosen tables' float rows through their served format in place (fast, and
 the same embeddings the kernels look up); ``served_quality`` builds the quantized model with the
@@ -18,11 +19,13 @@ factory, as an archive serves it (dense precision included), for the final word.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterator, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
 
+from archive_tools.planning.uncertainty import auc_drop_interval
 from archive_tools.validation_data import ValidationData, ValidationDataError
 from archive_tools.verification import Quality, quality
 from handlers.modeling.eager import eager_service
@@ -49,6 +52,15 @@ class _Split:
         self.requests = requests
         self.labels = labels
         self.source = source
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """The served model's quality on a split, against the float model's scores on it."""
+
+    quality: Quality
+    max_abs_score_diff: float
+    auc_drop_ci95: tuple[float, float]  # paired bootstrap interval of the float AUC minus this one
 
 
 class TableProbe:
@@ -78,11 +90,10 @@ class TableProbe:
         with self._rows(dtypes, zeroed):
             return quality(self._run(self._service, split), self.splits[split].labels)
 
-    def served_quality(self, split: str, dtypes: Dtypes, zeroed: Zeroed = {}) -> tuple[Quality, float]:
-        """The served model's quality on ``split`` and its largest score difference from the float
-        model's: tables quantized to ``dtypes`` (float where not named) by the factory, dense
-        layers in the spec's precision. A zero row quantizes to zeros, so ``zeroed`` rows serve
-        what a pruned table's kernels give its pruned ids."""
+    def served_quality(self, split: str, dtypes: Dtypes, zeroed: Zeroed = {}) -> "Served":
+        """The served model on ``split``: tables quantized to ``dtypes`` (float where not named) by
+        the factory, dense layers in the spec's precision. A zero row quantizes to zeros, so
+        ``zeroed`` rows serve what a pruned table's kernels give its pruned ids."""
         spec = self.compact_spec.replace(
             tables=[t.model_copy(update={"weight_dtype": dtypes.get(t.name, WeightDtype.FP32)}) for t in self.compact_spec.tables]
         )
@@ -92,7 +103,10 @@ class TableProbe:
         scores = self._run(served, split)
         if split not in self._float_scores:
             self._float_scores[split] = self._run(self._service, split)
-        return quality(scores, self.splits[split].labels), float((scores - self._float_scores[split]).abs().max())
+        reference, labels = self._float_scores[split], self.splits[split].labels
+        return Served(
+            quality(scores, labels), float((scores - reference).abs().max()), auc_drop_interval(reference, scores, labels)
+        )
 
     @contextlib.contextmanager
     def _rows(self, dtypes: Dtypes, zeroed: Zeroed) -> Iterator[None]:

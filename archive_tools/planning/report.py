@@ -5,8 +5,8 @@
     {"budget": {"max_auc_drop": 0.0005, "max_ne_increase": 0.002},
      "reference": {"model": "the float model", "plan": {"auc": ..., "log_loss": ..., "ne": ...},
                    "holdout": {...}},
-     "planned": {"table_bytes": ..., "auc_drop": ..., "ne_increase": ..., "max_abs_score_diff": ...,
-                 "within_budget": true},
+     "planned": {"table_bytes": ..., "auc_drop": ..., "auc_drop_ci95": [low, high], "ne_increase": ...,
+                 "max_abs_score_diff": ..., "within_budget": true, "pruning_saved_bytes": ...},
      "best_uniform": {"label": "all int8", "table_bytes": ..., ...},   # null when none meets the budget
      "pruned_rows": 270,
      "tables": [{"name": "t_user", "rows": 1000, "dim": 8, "rows_in_data": 731,
@@ -14,7 +14,14 @@
                  "bytes_given": ..., "bytes": ...,
                  "alone": {"fp16": {"auc_drop": ..., "ne_increase": ...},
                            "fp32, 50% of rows pruned": {...}, ...}}, ...],
-     "uniform": [...], "moves": [...], "backed_off": [...], "evaluations": 93, "seconds": 41.2}
+     "uniform": [...], "moves": [...], "backed_off": [...], "combined": {...}, "superseded": [...],
+     "evaluations": 93, "seconds": 41.2}
+
+``moves`` are the plan's (kept on the held-out data); ``backed_off`` those the held-out data
+refused; ``combined`` what the kept moves reach, and ``superseded`` those moves where a uniform
+dtype saves more and is the plan. ``auc_drop_ci95`` is the paired bootstrap 95% interval of the
+held-out AUC drop (the same rows resampled for both models); ``pruning_saved_bytes`` what the
+point's pruned rows save against the same dtypes unpruned.
 
 AUC drops and NE increases are against the reference on the held-out data (``alone``: on the plan
 split); a negative drop is a gain. The reference is the float model, or for a model too large to
@@ -33,8 +40,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 import orjson  # noqa: E402
 
-from archive_tools.planning.choices import pruned_rows  # noqa: E402
-from archive_tools.planning.search import PlanSearch, Point  # noqa: E402
+from archive_tools.planning.choices import Choice, pruned_rows  # noqa: E402
+from archive_tools.planning.search import Move, PlanSearch, Point  # noqa: E402
 from archive_tools.summary import human_size  # noqa: E402
 from archive_tools.verification import Quality  # noqa: E402
 from handlers.modeling.spec import ModelSpec  # noqa: E402
@@ -90,12 +97,10 @@ def report(
             for name, choice in found.planned.choices.items()
         ],
         "uniform": [_point(found, p) for p in found.uniform],
-        "moves": [
-            {"table": m.table, "from": m.before.label, "to": m.after.label, "saved_bytes": m.saved_bytes,
-             **_change(found.float_plan, m.plan_quality)}
-            for m in found.moves
-        ],
-        "backed_off": [{"table": m.table, "from": m.before.label, "to": m.after.label} for m in found.backed_off],
+        "moves": [_move(found, m) for m in found.moves],
+        "backed_off": [_move(found, m) for m in found.backed_off],
+        "combined": _point(found, found.combined),
+        "superseded": [_move(found, m) for m in found.superseded],
         "evaluations": found.evaluations,
         "seconds": found.seconds,
         "stopped_early": found.stopped_early,
@@ -127,6 +132,8 @@ def summary_lines(found: PlanSearch) -> list[str]:
         lines.append("no uniform dtype meets the budget on the held-out data")
     if not planned.within_budget:
         lines.append("the budget does not hold even with every table at its widest dtype (dense precision?)")
+    low, high = planned.auc_drop_ci95
+    lines.append(f"held-out AUC drop's paired bootstrap 95% interval: [{low:.2e}, {high:.2e}]")
     if found.backed_off:
         lines.append(f"backed off {len(found.backed_off)} move(s) the held-out data did not bear")
     if planned.label != "plan":
@@ -138,7 +145,7 @@ def summary_lines(found: PlanSearch) -> list[str]:
 
 def plot(found: PlanSearch, path: Path, title: str) -> None:
     """Table bytes against the AUC drop and the NE increase on held-out data: each uniform dtype,
-    the given spec and the plan, with the budget."""
+    the given spec and the plan, with the budget; each AUC drop with its bootstrap 95% interval."""
     figure, panels = plt.subplots(1, 2, figsize=(11, 4.5))
     reference = found.float_holdout
     for axes, key, bound in (
@@ -152,6 +159,11 @@ def plot(found: PlanSearch, path: Path, title: str) -> None:
         for point, style, color in ((found.given, "s", "tab:gray"), (found.planned, "*", "tab:red")):
             axes.plot(point.table_bytes / MIB, _change(reference, point.holdout)[key], style, color=color,
                       markersize=14 if style == "*" else 9, label=point.label, alpha=0.8)
+        if key == "auc_drop":
+            for point, color in [(p, "tab:blue") for p in found.uniform] + [(found.given, "tab:gray"), (found.planned, "tab:red")]:
+                y, (low, high) = _change(reference, point.holdout)[key], point.auc_drop_ci95
+                axes.errorbar(point.table_bytes / MIB, y, yerr=[[max(0.0, y - low)], [max(0.0, high - y)]], color=color,
+                              capsize=4, linewidth=1, label="95% interval (paired bootstrap)" if point is found.planned else None)
         axes.axhline(bound, linestyle="--", color="tab:red", linewidth=1, label="budget")
         axes.set_xscale("log")
         axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
@@ -175,10 +187,20 @@ def _point(found: PlanSearch, point: Point) -> dict[str, Any]:
         "label": point.label,
         "table_bytes": point.table_bytes,
         **_change(found.float_holdout, point.holdout),
+        "auc_drop_ci95": list(point.auc_drop_ci95),
         "max_abs_score_diff": point.max_abs_score_diff,
         "holdout": _quality(point.holdout),
         "within_budget": point.within_budget,
+        "pruning_saved_bytes": sum(
+            found.sizes.of_table(name, Choice(c.dtype)) - found.sizes.of_table(name, c) for name, c in point.choices.items()
+        ),
     }
+
+
+def _move(found: PlanSearch, move: Move) -> dict[str, Any]:
+    """A move, what it saved, and the plan split's change once it was taken."""
+    return {"table": move.table, "from": move.before.label, "to": move.after.label, "saved_bytes": move.saved_bytes,
+            **_change(found.float_plan, move.plan_quality)}
 
 
 def _change(reference: Quality, measured: Quality) -> dict[str, float]:

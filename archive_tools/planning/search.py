@@ -14,7 +14,9 @@
    on data it was not chosen on; while it breaks the budget, the last move taken is undone.
 
 The uniform dtypes (every table in one dtype, unpruned) are measured the same way, for comparison;
-where one of them keeps the budget in fewer bytes than the combination, it is the plan.
+where one of them keeps the budget in fewer bytes than the combination, it is the plan (the moves
+are then ``superseded``, not the plan's). Each held-out point carries a paired bootstrap interval
+of its AUC drop (``uncertainty``): what the held-out rows can resolve.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Point:
     holdout: Quality
     max_abs_score_diff: float  # from the float model's scores, on held-out data
     within_budget: bool
+    auc_drop_ci95: tuple[float, float]  # paired bootstrap interval of the held-out AUC drop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +79,10 @@ class PlanSearch:
     float_plan: Quality
     float_holdout: Quality
     alone: dict[tuple[str, Choice], Quality]  # one table in one dtype, or pruned, on the plan split
-    moves: list[Move]  # taken, in order (after backing off)
+    moves: list[Move]  # the plan's, in order: taken and kept on the held-out data (none if a uniform dtype won)
     backed_off: list[Move]  # undone on the held-out data, last first
+    combined: Point  # what the moves kept reach, as checked on the held-out data
+    superseded: list[Move]  # moves kept on the held-out data, but a uniform dtype saves more: not in the plan
     planned: Point
     given: Point
     uniform: list[Point]
@@ -188,9 +193,10 @@ def search(
     float_holdout = probe.quality("holdout", {})  # the float model: what the build's gate compares with
 
     def point(label: str, choices: dict[str, Choice]) -> Point:
-        holdout, max_diff = probe.served_quality("holdout", *settings(choices))
-        within = budget.cost(float_holdout, holdout) <= 1.0
-        return Point(label, dict(choices), sizes.of(choices), holdout, max_diff, within)
+        served = probe.served_quality("holdout", *settings(choices))
+        within = budget.cost(float_holdout, served.quality) <= 1.0
+        return Point(label, dict(choices), sizes.of(choices), served.quality, served.max_abs_score_diff, within,
+                     served.auc_drop_ci95)
 
     backed_off: list[Move] = []
     planned = point("plan", current)
@@ -205,10 +211,12 @@ def search(
         for dtype in progress(narrow_enough, desc="plan: uniform dtypes", unit="dtype")
     ]
     given = point("given spec", {t.name: Choice(t.weight_dtype) for t in spec.tables})
+    combined, superseded = planned, []
     smaller = [p for p in uniform if p.within_budget and p.table_bytes < planned.table_bytes]
     if smaller:  # the moves did not beat one dtype for every table: that is the plan
         best = min(smaller, key=lambda p: p.table_bytes)
         planned = dataclasses.replace(best, label=f"plan ({best.label})")
+        moves, superseded = [], moves
     return PlanSearch(
         budget=budget,
         float_plan=float_plan,
@@ -216,6 +224,8 @@ def search(
         alone=alone,
         moves=moves,
         backed_off=backed_off,
+        combined=combined,
+        superseded=superseded,
         planned=planned,
         given=given,
         uniform=uniform,

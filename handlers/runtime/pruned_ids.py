@@ -35,10 +35,17 @@ class PrunedIdCounter:
 
     @classmethod
     def of_archive(cls, model_dir: Path, schema: InputSchema) -> "PrunedIdCounter | None":
-        """The counter for an archive's pruned tables (None when it has none)."""
-        if not any(f.pruned_table for f in schema.features + schema.context_sparse):
+        """The counter for an archive's pruned tables (None when it has none); an archive without
+        its kept-ids file is refused naming it."""
+        tables = sorted({f.pruned_table for f in schema.features + schema.context_sparse if f.pruned_table})
+        if not tables:
             return None
-        return cls(schema, torch.load(model_dir / PRUNING, map_location="cpu", weights_only=True))
+        path = model_dir / PRUNING
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{model_dir}: holds no {PRUNING}, the kept ids of its pruned tables ({', '.join(tables)}): build it again"
+            )
+        return cls(schema, torch.load(path, map_location="cpu", weights_only=True))
 
     def count(self, inputs: RequestInputs) -> collections.Counter[str]:
         """Per pruned table, the ids of ``inputs`` that look up a zero row."""

@@ -10,12 +10,14 @@ from archive_tools.build import build_archive
 from archive_tools.cli import main
 from archive_tools.model_config import ServingConfig
 from archive_tools.planning import split_validation
+from archive_tools.planning.uncertainty import auc_drop_interval
 from archive_tools.validation_data import read_validation
 from archive_tools.verification import Bounds, verify
 from handlers.modeling.eager import eager_service
 from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.registry import load_spec
+from handlers.modeling.registry import input_schema, load_spec
 from handlers.modeling.spec import WeightDtype
+from handlers.runtime.wire.decoder import RequestDecoder
 from tests.archive_tools.planning_model import NOISE, SIGNAL, Clicks, planning_spec, train
 
 AUC_BUDGET, NE_BUDGET = 0.0005, 0.002
@@ -63,13 +65,41 @@ def test_the_served_plan_keeps_the_budget_on_the_held_out_data_and_all_int2_does
     assert checked.passed, checked.failures
     drop = checked.reference.auc - checked.served.auc
     assert drop == pytest.approx(report["planned"]["auc_drop"], abs=1e-5)
+    labels = torch.tensor([y for request in holdout.labels for y in request])
+    interval = auc_drop_interval(_scores(reference, spec, holdout), _scores(served(plan_spec), spec, holdout), labels)
+    assert report["planned"]["auc_drop_ci95"] == pytest.approx(list(interval), abs=1e-6)  # the same rows, paired
+    low, high = report["planned"]["auc_drop_ci95"]
+    assert low < drop < high
     assert checked.max_abs_score_diff == pytest.approx(report["planned"]["max_abs_score_diff"], rel=1e-3)
     all_int2 = spec.replace(tables=[t.model_copy(update={"weight_dtype": WeightDtype.INT2}) for t in spec.tables])
     assert not verify(served(all_int2), reference, holdout, bounds).passed  # the budget binds
 
 
+def _scores(service, spec, data):
+    """Click probabilities [items] of ``data``'s requests, one request per forward."""
+    decoder = RequestDecoder(input_schema(spec))
+    return torch.sigmoid(torch.cat([torch.cat(service.logits([decoder.decode(r).inputs])) for r in data.requests]))
+
+
+def _assert_the_moves_are_the_plans(report):
+    """The report's moves, replayed from every table in fp32, give the planned tables; a plan that
+    is a uniform dtype lists none (what the moves reached is under combined and superseded)."""
+    planned = {t["name"]: t["dtype"] + (f", {t['pruned_share']:.0%} of rows pruned" if t["pruned_share"] else "")
+               for t in report["tables"]}
+    if report["planned"]["label"] != "plan":
+        assert report["moves"] == [], report["moves"]
+        return
+    replayed = {name: "fp32" for name in planned}
+    for move in report["moves"]:
+        assert replayed[move["table"]] == move["from"]
+        replayed[move["table"]] = move["to"]
+    assert replayed == planned
+    assert report["combined"]["table_bytes"] == report["planned"]["table_bytes"] and report["superseded"] == []
+
+
 def test_the_plan_takes_fewer_bytes_than_the_best_uniform_dtype(planned):
     _, _, report = planned
+    _assert_the_moves_are_the_plans(report)
     best = report["best_uniform"]
     assert best["label"] == "all int4" and best["within_budget"]
     assert report["planned"]["table_bytes"] < best["table_bytes"]
@@ -100,6 +130,7 @@ def test_with_no_time_for_moves_the_plan_is_the_best_uniform_dtype(planned, tmp_
     ])
     report = orjson.loads((tmp_path / "planned.plan.json").read_bytes())
     assert code == 0 and report["stopped_early"] and report["moves"] == []
+    _assert_the_moves_are_the_plans(report)
     assert report["planned"]["label"] == f"plan ({report['best_uniform']['label']})"
     assert {t["dtype"] for t in report["tables"]} == {report["best_uniform"]["label"].removeprefix("all ")}
 
@@ -148,7 +179,13 @@ def test_pruning_drops_the_noise_tables_rows_and_the_served_pruned_plan_keeps_th
     shares = {t["name"]: t["pruned_share"] for t in report["tables"]}
     assert all(shares[name] >= 0.9 for name in NOISE) and all(shares[name] == 0 for name in SIGNAL), shares
     assert report["pruned_rows"] == sum(t["pruned_rows"] for t in report["tables"]) > 0
+    _assert_the_moves_are_the_plans(report)
     plan_spec = load_spec(tmp_path / "planned.planned.yaml")
+    plan_dtypes = {t.name: t.weight_dtype for t in plan_spec.tables}
+    in_planned_dtypes = spec.replace(tables=[t.model_copy(update={"weight_dtype": plan_dtypes[t.name]}) for t in spec.tables])
+    unpruned = DLRMFactory(in_planned_dtypes).table_bytes()  # the planned dtypes, every row kept
+    saved = sum(unpruned[t["name"]] - t["bytes"] for t in report["tables"] if t["pruned_share"])
+    assert report["planned"]["pruning_saved_bytes"] == saved > 0
     kept = torch.load(tmp_path / "planned.pruning.pt", weights_only=True)
     for name in NOISE:  # the most used ids are kept
         assert int(counts[name][kept[name]].min()) >= int(counts[name].sort(descending=True).values[len(kept[name]) - 1])

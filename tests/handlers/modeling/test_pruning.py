@@ -20,6 +20,9 @@ from handlers.modeling.errors import SpecError
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import input_schema, parse_spec
 from handlers.modeling.spec import WeightDtype
+from handlers.loading import load_archive
+from handlers.runtime.archive import Archive
+from handlers.runtime.artifacts import Artifact
 from handlers.runtime.errors import InputError
 from handlers.runtime.pruned_ids import PrunedIdCounter
 from handlers.runtime.service import ScoringService
@@ -139,3 +142,21 @@ def test_a_batch_of_several_requests_counts_each_requests_pruned_ids(tiny_spec, 
     handled = service.handle([orjson.dumps(b) for b in bodies])
     assert all(r.status == 200 for r in handled.responses)
     assert handled.stats.pruned_ids == dict(expected) and sum(expected.values()) > 0
+
+
+@pytest.mark.parametrize("artifact", [Artifact.EAGER, Artifact.EXPORTED])
+def test_a_pruned_archive_without_its_kept_ids_file_is_refused_at_load_naming_the_file(tiny_spec, tmp_path, artifact):
+    """A graph artifact reads no spec: the kept ids are read for the pruned-id counter alone, and
+    their absence is named before the model loads, in every artifact kind."""
+    spec, _ = pruned(tiny_spec, tmp_path)
+    spec.to_yaml(tmp_path / "tiny.yaml")
+    folder = build_archive(
+        tmp_path / "tiny.yaml", checkpoint=None, seed=0, name="tiny", version="1.0", model_store=tmp_path / "store",
+        serving=ServingConfig(), bounds=Bounds(max_auc_drop=1.0, max_ne_increase=1.0), archive_format="no-archive",
+        artifact=artifact,
+    )
+    assert load_archive(Archive(folder)).pruned_ids is not None
+    (folder / "pruning.pt").unlink()
+    with pytest.raises(FileNotFoundError, match=f"{folder}: holds no pruning.pt, the kept ids of its pruned tables "
+                                                r"\(t_category, t_item, t_user\)"):
+        load_archive(Archive(folder))
