@@ -33,8 +33,9 @@ def serve_asgi(args: argparse.Namespace) -> int:
     key_file = (args.key_file or Path(tempfile.mkdtemp(prefix="torchrec-serve-asgi-")) / "keys.json").resolve()
     KeyFile(key_file).key()  # written now if it does not exist
     host = args.host or "127.0.0.1"
-    with ServedArchives(args.model_store.resolve(), args.archives) as folders:
+    store = args.model_store.resolve()
+    with ServedArchives(store, args.archives) as state_dir:
         print(f"ASGI engine: every route on http://{host}:{port}, {workers} processes")
-        print(f"keys (Authorization: Bearer <key>): {key_file}", flush=True)
-        run(EngineSettings(folders, key_file), host=host, port=port, workers=workers)
+        print(f"keys (Authorization: Bearer <key>; the management key on /models and /freshness): {key_file}", flush=True)
+        run(EngineSettings((), key_file, store, state_dir), host=host, port=port, workers=workers)
     return 0

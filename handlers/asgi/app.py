@@ -23,6 +23,9 @@ import orjson
 from starlette.applications import Starlette
 
 from handlers.asgi.auth import KeyCheck, KeyFile
+from handlers.asgi.engine_state import EngineState
+from handlers.asgi.management import MANAGEMENT_ROUTES, Management
+from handlers.asgi.reconcile import Reconciler
 from handlers.asgi.registry import ModelRegistry
 from handlers.asgi.routes import ROUTES
 
@@ -31,18 +34,26 @@ ENGINE_ENV = "TORCHREC_SERVE_ASGI"
 
 @dataclasses.dataclass(frozen=True)
 class EngineSettings:
-    """``folders``: the unpacked archives to serve; ``key_file``: the inference key (``auth.py``)."""
+    """``folders``: the unpacked archives to serve; ``key_file``: the keys (``auth.py``);
+    ``store`` and ``state_dir``: the model store and the engine's state folder, for the
+    management routes (``management.py``); each process serves the wanted state found there too."""
 
     folders: tuple[Path, ...]
     key_file: Path
+    store: Path | None = None
+    state_dir: Path | None = None
 
     def to_env(self) -> str:
-        return orjson.dumps({"folders": [str(f) for f in self.folders], "key_file": str(self.key_file)}).decode()
+        return orjson.dumps({
+            "folders": [str(f) for f in self.folders], "key_file": str(self.key_file),
+            "store": self.store and str(self.store), "state_dir": self.state_dir and str(self.state_dir),
+        }).decode()
 
     @classmethod
     def from_env(cls) -> "EngineSettings":
         raw = orjson.loads(os.environ[ENGINE_ENV])
-        return cls(tuple(Path(f) for f in raw["folders"]), Path(raw["key_file"]))
+        optional = {k: Path(raw[k]) for k in ("store", "state_dir") if raw.get(k)}
+        return cls(tuple(Path(f) for f in raw["folders"]), Path(raw["key_file"]), **optional)
 
 
 def create_app(settings: EngineSettings) -> KeyCheck:
@@ -55,14 +66,23 @@ def create_app(settings: EngineSettings) -> KeyCheck:
         app.state.models = models
         for model in models.models:
             model.batcher.start()
+        app.state.management = None
+        if settings.store is not None and settings.state_dir is not None:
+            reconciler = Reconciler(EngineState(settings.state_dir), models, forwards)
+            await reconciler.apply()  # the models wanted now, before the first connection
+            reconciler.start()
+            app.state.management = Management(settings.store, reconciler.state, reconciler)
         try:
             yield
         finally:
+            if app.state.management is not None:
+                await app.state.management.reconciler.stop()
             for model in models.models:
                 await model.batcher.stop()
             forwards.shutdown(wait=True)
 
-    return KeyCheck(Starlette(routes=ROUTES, lifespan=lifespan), KeyFile(settings.key_file).key())
+    keys = KeyFile(settings.key_file)
+    return KeyCheck(Starlette(routes=ROUTES + MANAGEMENT_ROUTES, lifespan=lifespan), keys.key(), keys.management_key())
 
 
 def app_from_environment() -> KeyCheck:

@@ -77,6 +77,11 @@ class Batcher:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
+    async def drain(self) -> None:
+        """Returns once every request submitted so far is answered (before ``stop``, to unload)."""
+        while self._queue or not self._idle:
+            await asyncio.sleep(0.005)
+
     async def submit(self, arrival: Arrival) -> Response:
         """The request's response, once its batch ran; ``ServiceUnavailable`` at once when the
         admission rule sheds it."""

@@ -40,19 +40,41 @@ class ServedModel:
     service: ScoringService
     batcher: Batcher
     freshness: WorkerFreshness | str  # or why the archive takes no deltas
+    folder: Path | None = None  # the unpacked archive it was loaded from
 
 
 class ModelRegistry:
-    """Models by name, then version; a name's first version loaded is its default."""
+    """Models by name, then version; a name's default is the version set by ``defaults``, else its
+    first version loaded."""
 
     def __init__(self, models: Sequence[ServedModel]) -> None:
-        self.models = list(models)
+        self.models: list[ServedModel] = []
         self._by_name: dict[str, dict[str | None, ServedModel]] = {}
+        self.defaults: dict[str, str | None] = {}  # name -> its default version, where one was set
         for model in models:
-            versions = self._by_name.setdefault(model.name, {})
-            if model.version in versions:
-                raise InputError(f"model {model.name} version {model.version}: given twice")
-            versions[model.version] = model
+            self.add(model)
+
+    def add(self, model: ServedModel) -> None:
+        versions = self._by_name.setdefault(model.name, {})
+        if model.version in versions:
+            raise InputError(f"model {model.name} version {model.version}: given twice")
+        versions[model.version] = model
+        self.models.append(model)
+
+    def remove(self, model: ServedModel) -> None:
+        versions = self._by_name[model.name]
+        del versions[model.version]
+        if not versions:
+            del self._by_name[model.name]
+        self.models.remove(model)
+
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    def default_version(self, name: str) -> str | None:
+        versions = self._by_name[name]
+        wanted = self.defaults.get(name)
+        return wanted if wanted in versions else next(iter(versions))
 
     @classmethod
     def load(cls, folders: Sequence[Path], forwards: Executor) -> "ModelRegistry":
@@ -63,7 +85,7 @@ class ModelRegistry:
         if versions is None:
             raise ModelNotFoundException(f"Model not found: {name}")
         if version is None:
-            return next(iter(versions.values()))
+            return versions[self.default_version(name)]
         if version not in versions:
             raise ModelNotFoundException(f"Model version: {version} does not exist for model: {name}")
         return versions[version]
@@ -79,7 +101,7 @@ def load_model(folder: Path, forwards: Executor) -> ServedModel:
     archive = Archive(folder)
     config: dict[str, Any] = archive.model_config
     options = archive.options
-    name, version = _manifest_model(archive)
+    name, version = manifest_model(archive)
     freshness = WorkerFreshness.open(folder, options, FreshnessConfig.from_mapping(config.get("freshness")))
     tables = freshness.weights_file if isinstance(freshness, WorkerFreshness) else None
     service = load_service(folder, options, None, model_name=name, tables_file=tables, model_version=version)
@@ -97,10 +119,10 @@ def load_model(folder: Path, forwards: Executor) -> ServedModel:
         "loaded model %s version %s from %s, running %s in %.2fs (batch %d, %g ms)",
         name, version, folder, options.describe(), time.perf_counter() - started, policy.batch_size, policy.max_delay_ms,
     )
-    return ServedModel(name, version, service, batcher, freshness)
+    return ServedModel(name, version, service, batcher, freshness, folder)
 
 
-def _manifest_model(archive: Archive) -> tuple[str, str | None]:
+def manifest_model(archive: Archive) -> tuple[str, str | None]:
     """The model's name and version, as torch-model-archiver's manifest gives them to TorchServe."""
     try:
         model = orjson.loads(archive.file(MANIFEST).read_bytes())["model"]

@@ -1,40 +1,46 @@
-"""Running the ASGI engine: the archives of a model store unpacked once (a ``.mar``, as TorchServe's
-frontend unpacks it; a folder is served where it is), then uvicorn with ``workers`` processes on
-one port, each loading every model (``app.py``), until SIGINT or SIGTERM.
+"""Running the ASGI engine: the archives of a model store placed once in the engine's state folder
+(``placing.py``: a ``.mar`` unpacked, as TorchServe's frontend unpacks it; a folder linked) and
+named as the wanted state (``engine_state.py``), then uvicorn with ``workers`` processes on one
+port, each loading every model wanted (``app.py``), until SIGINT or SIGTERM. uvicorn's supervisor
+starts a new process in place of one that dies.
 
-    with ServedArchives(Path("model_store"), ["tiny.mar"]) as folders:
-        run(EngineSettings(folders, Path("keys.json")), host="127.0.0.1", port=8080, workers=4)
+    with ServedArchives(Path("model_store"), ["tiny.mar"]) as state_dir:
+        run(EngineSettings((), Path("keys.json"), Path("model_store"), state_dir), host="127.0.0.1", port=8080, workers=4)
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
 import uvicorn
 
 from handlers.asgi.app import ENGINE_ENV, EngineSettings
-from handlers.runtime.archive import Archive
+from handlers.asgi.engine_state import EngineState, WantedModel
+from handlers.asgi.placing import place
 from handlers.runtime.archive_files import MANIFEST
 
 
 class ServedArchives:
-    """``names`` in ``store`` (none: every ``.mar`` and archive folder there), opened for the
-    server's life: ``__enter__`` gives each one's unpacked folder."""
+    """``names`` in ``store`` (none: every ``.mar`` and archive folder there), placed in a new state
+    folder for the server's life: ``__enter__`` gives the folder, removed by ``__exit__``."""
 
     def __init__(self, store: Path, names: Sequence[str]) -> None:
         self.store = Path(store)
         self.names = list(names) or sorted(
             p.name for p in self.store.iterdir() if p.suffix == ".mar" or (p / MANIFEST).is_file()
         )
-        self._open: list[Archive] = []
+        self.folder: Path | None = None
 
-    def __enter__(self) -> tuple[Path, ...]:
+    def __enter__(self) -> Path:
+        self.folder = Path(tempfile.mkdtemp(prefix="torchrec-serve-asgi-state-"))
         try:
-            for name in self.names:
-                self._open.append(Archive.open(self.store / name))
-            return tuple(archive.unpacked() for archive in self._open)
+            with EngineState(self.folder).changing() as wanted:
+                wanted.models = [WantedModel(name, str(place(self.store, name, self.folder))) for name in self.names]
+            return self.folder
         except BaseException:
             self.close()
             raise
@@ -43,9 +49,9 @@ class ServedArchives:
         self.close()
 
     def close(self) -> None:
-        for archive in self._open:
-            archive.close()
-        self._open.clear()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
 
 
 def run(settings: EngineSettings, host: str, port: int, workers: int) -> None:
