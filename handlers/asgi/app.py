@@ -11,6 +11,7 @@ process puts in its environment (``ENGINE_ENV``) for uvicorn's worker processes:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import gc
@@ -23,6 +24,7 @@ import orjson
 from starlette.applications import Starlette
 
 from handlers.asgi.auth import KeyCheck, KeyFile
+from handlers.asgi.metrics import EngineMetrics, read_every
 from handlers.asgi.registry import ModelRegistry
 from handlers.asgi.routes import ROUTES
 
@@ -49,15 +51,21 @@ def create_app(settings: EngineSettings) -> KeyCheck:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         forwards = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")  # one forward at a time
-        models = ModelRegistry.load(settings.folders, forwards)
+        models = ModelRegistry.load(settings.folders, forwards, EngineMetrics())
         gc.collect()
         gc.freeze()  # the loaded objects out of the collector's walks (as the TorchServe adapter does)
         app.state.models = models
         for model in models.models:
             model.batcher.start()
+        readers = [
+            asyncio.create_task(read_every(m.read_raw_ids, m.metrics_every_s, forwards))
+            for m in models.models if m.read_raw_ids is not None
+        ]
         try:
             yield
         finally:
+            for reader in readers:
+                reader.cancel()
             for model in models.models:
                 await model.batcher.stop()
             forwards.shutdown(wait=True)

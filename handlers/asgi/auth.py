@@ -1,6 +1,7 @@
 """Keys of the ASGI engine: every request carries ``Authorization: Bearer KEY``; a missing or wrong
 key is refused (400 ``InvalidKeyException``, TorchServe's answer) on every route but the health
-probes (``OPEN_PATHS``: a kubelet's probes carry no key).
+probes and the metrics (``OPEN_PATHS``: a kubelet's probes carry no key, nor does a scrape of
+TorchServe's metrics port).
 
 The key file is JSON, ``{"inference": {"key": "..."}}``: the part of TorchServe's
 ``key_file.json`` that an inference client reads (``json.load(f)["inference"]["key"]``). Unlike
@@ -24,7 +25,7 @@ from typing import Any, Awaitable, Callable
 from handlers.asgi.answers import refusal
 from handlers.runtime.errors import InputError, InvalidKeyException
 
-OPEN_PATHS = frozenset({"/ping", "/v2/health/live", "/v2/health/ready"})
+OPEN_PATHS = frozenset({"/ping", "/v2/health/live", "/v2/health/ready", "/metrics"})
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]

@@ -1,6 +1,7 @@
 """Running the ASGI engine: the archives of a model store unpacked once (a ``.mar``, as TorchServe's
 frontend unpacks it; a folder is served where it is), then uvicorn with ``workers`` processes on
-one port, each loading every model (``app.py``), until SIGINT or SIGTERM.
+one port, each loading every model (``app.py``), until SIGINT or SIGTERM; their metrics counted
+in a directory of the run's own (``metrics.use_directory``), removed when it ends.
 
     with ServedArchives(Path("model_store"), ["tiny.mar"]) as folders:
         run(EngineSettings(folders, Path("keys.json")), host="127.0.0.1", port=8080, workers=4)
@@ -9,12 +10,15 @@ one port, each loading every model (``app.py``), until SIGINT or SIGTERM.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
 import uvicorn
 
 from handlers.asgi.app import ENGINE_ENV, EngineSettings
+from handlers.asgi.metrics import use_directory
 from handlers.runtime.archive import Archive
 from handlers.runtime.archive_files import MANIFEST
 
@@ -51,6 +55,15 @@ class ServedArchives:
 def run(settings: EngineSettings, host: str, port: int, workers: int) -> None:
     """Serves until a signal stops every process (uvicorn's own handling of SIGINT and SIGTERM)."""
     os.environ[ENGINE_ENV] = settings.to_env()  # read by each worker process
+    counts = Path(tempfile.mkdtemp(prefix="torchrec-serve-metrics-"))  # empty: this run's counts only
+    use_directory(counts)  # this process's and its workers'
+    try:
+        _serve(host, port, workers)
+    finally:
+        shutil.rmtree(counts, ignore_errors=True)
+
+
+def _serve(host: str, port: int, workers: int) -> None:
     uvicorn.run(
         "handlers.asgi.app:app_from_environment",
         factory=True,
