@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 SCENARIO ?= smoke
 
-.PHONY: setup java wrk plugin demo test bench clean
+.PHONY: setup java wrk prometheus plugin demo test bench clean
 
 setup: java $(STAMP) plugin
 
@@ -47,6 +47,19 @@ wrk:
 	  fi; \
 	fi
 
+# Prometheus itself: a test scrapes the asgi engine's /metrics with it (tests/integration/test_asgi_metrics.py).
+# Installed with apt when we are root, else explained.
+prometheus:
+	@if ! command -v prometheus >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "prometheus not found: installing it (a test scrapes the asgi engine with it)"; \
+	    apt-get update -qq && apt-get install -y -qq prometheus; \
+	  else \
+	    echo "The tests need prometheus, which scrapes the asgi engine's metrics in one of them (not found)."; \
+	    echo "Install it, e.g.: sudo apt-get install prometheus"; exit 1; \
+	  fi; \
+	fi
+
 # torch is pinned and installed first so nothing resolves a CUDA build; torchrec goes in with
 # --no-deps because its metadata asks for the CUDA fbgemm-gpu (we use fbgemm-gpu-cpu).
 $(STAMP): pyproject.toml examples/din/pyproject.toml Makefile
@@ -68,7 +81,7 @@ demo: setup
 # Two processes, a test file each at a time (its servers and archives stay its own): most tests
 # wait on servers and loads, so two share this machine's two cores well. Files go in the order
 # tests/conftest.py gives (the slowest first), and the ten slowest tests are listed.
-test: setup wrk
+test: setup wrk prometheus
 	$(BIN)/python -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder --durations=10 tests
 
 bench: setup wrk

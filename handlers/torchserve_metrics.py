@@ -1,5 +1,6 @@
 """The handler's metrics, published through TorchServe's metrics API (Prometheus, with
-``model_metrics_auto_detect=true``); each carries ``ModelName`` and ``Level="Model"``.
+``model_metrics_auto_detect=true``); each carries ``ModelName`` and ``Level="Model"``. The
+increments are ``handlers.runtime.batch_counts``' (the ASGI engine publishes the same).
 
 | name | type | labels | what |
 |---|---|---|---|
@@ -48,6 +49,7 @@ from typing import Any
 
 from ts.metrics.dimension import Dimension
 
+from handlers.runtime.batch_counts import batch_increments, raw_id_increments
 from handlers.runtime.service import BatchStats
 from handlers.runtime.unseen_ids import UnseenIdCounter
 
@@ -85,19 +87,8 @@ class MetricsPublisher:
             pending = self._pending
             if shard_counts:
                 pending.update(shard_counts)
-            pending[("HandlerBatches", (("Requests", str(requests)),))] += 1
-            pending[("HandlerForwards", ())] += len(stats.forward_items)
-            pending[("HandlerForwardItems", ())] += sum(stats.forward_items)
-            for stage, ms in stats.stage_ms.items():
-                pending[("HandlerStageMilliseconds", (("Stage", stage),))] += ms
-            for reason, count in stats.rejected.items():
-                pending[("HandlerRejectedRequests", (("Reason", reason),))] += count
-            if stats.hashed_ids:
-                pending[("HandlerHashedIds", ())] += stats.hashed_ids
-            if stats.split_forwards:
-                pending[("HandlerSplitForwards", ())] += stats.split_forwards
-            for table, count in stats.pruned_ids.items():
-                pending[("HandlerPrunedIds", (("Table", table),))] += count
+            for name, labels, value in batch_increments(requests, stats):
+                pending[(name, labels)] += value
             self._context, self._last_batch = context, time.monotonic()
             if self._last_batch - self._last_flush >= self.flush_s:
                 self.flush(context)
@@ -111,9 +102,8 @@ class MetricsPublisher:
             self._last_flush = time.monotonic()
             self._unpublished = False
             if self.raw_ids is not None:
-                for name, counts in zip(("HandlerUnseenIds", "HandlerRawIds"), self.raw_ids.since_last()):
-                    for table, count in counts.items():
-                        self._pending[(name, (("Table", table),))] += count
+                for name, labels, value in raw_id_increments(self.raw_ids):
+                    self._pending[(name, labels)] += value
             base = [Dimension("ModelName", context.model_name), Dimension("Level", "Model")]
             for (name, labels), value in self._pending.items():
                 dimensions = base + [Dimension(key, label) for key, label in labels]

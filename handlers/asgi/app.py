@@ -11,6 +11,7 @@ process puts in its environment (``ENGINE_ENV``) for uvicorn's worker processes:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import gc
@@ -25,6 +26,7 @@ from starlette.applications import Starlette
 from handlers.asgi.auth import KeyCheck, KeyFile
 from handlers.asgi.engine_state import EngineState
 from handlers.asgi.management import MANAGEMENT_ROUTES, Management
+from handlers.asgi.metrics import EngineMetrics, read_every
 from handlers.asgi.reconcile import Reconciler
 from handlers.asgi.registry import ModelRegistry
 from handlers.asgi.routes import ROUTES
@@ -60,7 +62,8 @@ def create_app(settings: EngineSettings) -> KeyCheck:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         forwards = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")  # one forward at a time
-        models = ModelRegistry.load(settings.folders, forwards)
+        metrics = EngineMetrics()
+        models = ModelRegistry.load(settings.folders, forwards, metrics)
         gc.collect()
         gc.freeze()  # the loaded objects out of the collector's walks (as the TorchServe adapter does)
         app.state.models = models
@@ -68,13 +71,19 @@ def create_app(settings: EngineSettings) -> KeyCheck:
             model.batcher.start()
         app.state.management = None
         if settings.store is not None and settings.state_dir is not None:
-            reconciler = Reconciler(EngineState(settings.state_dir), models, forwards)
+            reconciler = Reconciler(EngineState(settings.state_dir), models, forwards, metrics)
             await reconciler.apply()  # the models wanted now, before the first connection
             reconciler.start()
             app.state.management = Management(settings.store, reconciler.state, reconciler)
+        readers = [  # the raw-id counts of the models loaded at start (the reconciler reads its own)
+            asyncio.create_task(read_every(m.read_raw_ids, m.metrics_every_s, forwards))
+            for m in models.models if m.read_raw_ids is not None
+        ]
         try:
             yield
         finally:
+            for reader in readers:
+                reader.cancel()
             if app.state.management is not None:
                 await app.state.management.reconciler.stop()
             for model in models.models:

@@ -1,8 +1,8 @@
 """Keys of the ASGI engine: every request carries ``Authorization: Bearer KEY``; a missing or wrong
 key is refused (400 ``InvalidKeyException``, TorchServe's answer) on every route but the health
-probes (``OPEN_PATHS``: a kubelet's probes carry no key). The management routes
-(``MANAGEMENT_PREFIXES``: ``/models``, ``/freshness``) take the management key alone, every other
-route the inference key alone.
+probes and the metrics (``OPEN_PATHS``: a kubelet's probes carry no key, nor does a scrape of
+TorchServe's metrics port). The management routes (``MANAGEMENT_PREFIXES``: ``/models``,
+``/freshness``) take the management key alone, every other route the inference key alone.
 
 The key file is JSON, ``{"inference": {"key": "..."}, "management": {"key": "..."}}``: the parts of
 TorchServe's ``key_file.json`` that its clients read (``json.load(f)["inference"]["key"]``). Unlike
@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable
 from handlers.asgi.answers import refusal
 from handlers.runtime.errors import InputError, InvalidKeyException
 
-OPEN_PATHS = frozenset({"/ping", "/v2/health/live", "/v2/health/ready"})
+OPEN_PATHS = frozenset({"/ping", "/v2/health/live", "/v2/health/ready", "/metrics"})
 MANAGEMENT_PREFIXES = ("/models", "/freshness")
 
 Scope = dict[str, Any]

@@ -50,7 +50,8 @@ class BatchPolicy:
 
 
 class Batcher:
-    """``handle``: a batch of arrivals -> one response each, in order (run on ``forwards``)."""
+    """``handle``: a batch of arrivals -> one response each, in order (run on ``forwards``);
+    ``started``: told, as a batch starts, how long (s) each of its requests waited."""
 
     def __init__(
         self,
@@ -58,13 +59,15 @@ class Batcher:
         policy: BatchPolicy,
         forwards: Executor,
         admission: AdmissionRule,
+        started: Callable[[list[float]], None] = lambda waited_s: None,
     ) -> None:
         self.handle = handle
         self.policy = policy
         self.forwards = forwards
         self.admission = admission
+        self.started = started
         self.batches: collections.Counter[int] = collections.Counter()  # requests in a batch -> batches
-        self._queue: collections.deque[tuple[Arrival, asyncio.Future]] = collections.deque()
+        self._queue: collections.deque[tuple[Arrival, asyncio.Future, float]] = collections.deque()
         self._arrived = asyncio.Event()
         self._idle = True  # the collector waits for a batch's first request
         self._task: asyncio.Task | None = None
@@ -89,7 +92,7 @@ class Batcher:
         if refusal is not None:
             raise ServiceUnavailable(refusal)
         answered = asyncio.get_running_loop().create_future()
-        self._queue.append((arrival, answered))
+        self._queue.append((arrival, answered, time.monotonic()))
         self._arrived.set()
         return await answered
 
@@ -108,18 +111,20 @@ class Batcher:
             batch = await self._fill([self._queue.popleft()], last_start + self.policy.max_delay_ms / 1000)
             last_requests = len(batch)
             self.batches[len(batch)] += 1
+            now = time.monotonic()
+            self.started([now - queued for _, _, queued in batch])
             try:
-                responses = await loop.run_in_executor(self.forwards, self.handle, [a for a, _ in batch])
+                responses = await loop.run_in_executor(self.forwards, self.handle, [a for a, _, _ in batch])
             except Exception as error:  # the runtime answers each request's own errors: this is a bug
-                for _, answered in batch:
+                for _, answered, _ in batch:
                     if not answered.done():
                         answered.set_exception(error)
                 continue
-            for (_, answered), response in zip(batch, responses):
+            for (_, answered, _), response in zip(batch, responses):
                 if not answered.done():  # its client may have gone
                     answered.set_result(response)
 
-    async def _fill(self, batch: list, deadline: float) -> list[tuple[Arrival, asyncio.Future]]:
+    async def _fill(self, batch: list, deadline: float) -> list[tuple[Arrival, asyncio.Future, float]]:
         """Takes arrivals into ``batch`` until it is full or ``deadline`` (monotonic s) passes."""
         while len(batch) < self.policy.batch_size:
             if self._queue:

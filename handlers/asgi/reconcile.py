@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import AsyncIterator
 
 from handlers.asgi.engine_state import EngineState, Wanted
+from handlers.asgi.metrics import EngineMetrics, read_every
 from handlers.asgi.registry import ModelRegistry, ServedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -26,13 +28,17 @@ POLL_S = 0.5
 
 
 class Reconciler:
-    def __init__(self, state: EngineState, models: ModelRegistry, forwards: Executor) -> None:
+    def __init__(
+        self, state: EngineState, models: ModelRegistry, forwards: Executor, metrics: EngineMetrics | None = None
+    ) -> None:
         self.state = state
         self.models = models
         self.forwards = forwards
+        self.metrics = metrics  # where a model registered later is counted
         self.generation = -1  # none served yet
         self.lock = asyncio.Lock()  # one change of this process's models at a time
         self._task: asyncio.Task | None = None
+        self._readers: dict[int, asyncio.Task] = {}  # the metrics readers of the models it loaded
 
     async def apply(self) -> None:
         async with self.lock:
@@ -77,14 +83,22 @@ class Reconciler:
         self.state.note_served(wanted.generation)
 
     async def load(self, folder: Path) -> ServedModel:
-        model = await asyncio.get_running_loop().run_in_executor(None, load_model, folder, self.forwards)
+        load = functools.partial(load_model, folder, self.forwards, self.metrics)
+        model = await asyncio.get_running_loop().run_in_executor(None, load)
         self.models.add(model)
         model.batcher.start()
+        if model.read_raw_ids is not None:  # a raw-id model's counts, read as at start (app.py)
+            self._readers[id(model)] = asyncio.create_task(
+                read_every(model.read_raw_ids, model.metrics_every_s, self.forwards)
+            )
         return model
 
     async def unload(self, model: ServedModel) -> None:
         """No new request reaches it; those it holds are answered first. Its freshness threads
         (if it takes deltas) stay until the process ends."""
         self.models.remove(model)
+        reader = self._readers.pop(id(model), None)
+        if reader is not None:
+            reader.cancel()
         await model.batcher.drain()
         await model.batcher.stop()

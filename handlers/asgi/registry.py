@@ -12,23 +12,29 @@ admission settings.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import orjson
 
 from handlers.asgi.admission import AdmissionRule
 from handlers.asgi.batcher import Batcher, BatchPolicy
+from handlers.asgi.metrics import EngineMetrics, ModelMetrics
 from handlers.loading import load_service
 from handlers.runtime.archive import Archive
 from handlers.runtime.archive_files import MANIFEST
+from handlers.runtime.batch_counts import batch_increments, raw_id_increments
 from handlers.runtime.errors import InputError, ModelNotFoundException
 from handlers.runtime.freshness.config import FreshnessConfig
 from handlers.runtime.freshness.worker import LockedRunner, WorkerFreshness
+from handlers.runtime.remote.lookups import ShardedLookups
 from handlers.runtime.service import ScoringService
+from handlers.runtime.wire.messages import Response
+from handlers.runtime.wire.transport import Arrival
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +47,8 @@ class ServedModel:
     batcher: Batcher
     freshness: WorkerFreshness | str  # or why the archive takes no deltas
     folder: Path | None = None  # the unpacked archive it was loaded from
+    read_raw_ids: Callable[[], None] | None = None  # a raw-id model's counts, into the metrics
+    metrics_every_s: float = 1.0  # how often (the handler's metrics_flush_s)
 
 
 class ModelRegistry:
@@ -77,8 +85,8 @@ class ModelRegistry:
         return wanted if wanted in versions else next(iter(versions))
 
     @classmethod
-    def load(cls, folders: Sequence[Path], forwards: Executor) -> "ModelRegistry":
-        return cls([load_model(folder, forwards) for folder in folders])
+    def load(cls, folders: Sequence[Path], forwards: Executor, metrics: EngineMetrics | None = None) -> "ModelRegistry":
+        return cls([load_model(folder, forwards, metrics) for folder in folders])
 
     def get(self, name: str, version: str | None = None) -> ServedModel:
         versions = self._by_name.get(name)
@@ -95,8 +103,9 @@ class ModelRegistry:
         return [v for v in self._by_name[name] if v is not None]
 
 
-def load_model(folder: Path, forwards: Executor) -> ServedModel:
-    """An unpacked archive's model, loaded as a TorchServe worker loads it, behind its batcher."""
+def load_model(folder: Path, forwards: Executor, metrics: EngineMetrics | None = None) -> ServedModel:
+    """An unpacked archive's model, loaded as a TorchServe worker loads it, behind its batcher;
+    its batches counted in ``metrics`` (None: not counted)."""
     started = time.perf_counter()
     archive = Archive(folder)
     config: dict[str, Any] = archive.model_config
@@ -114,12 +123,29 @@ def load_model(folder: Path, forwards: Executor) -> ServedModel:
         batch_size=policy.batch_size,
         max_queue_wait_ms=_guard_wait_ms(config, folder),
     )
-    batcher = Batcher(lambda arrivals: service.handle(arrivals).responses, policy, forwards, rule)
+    counted = metrics.model(name, version) if metrics is not None else None
+    handle = functools.partial(_handle, service, counted)
+    batcher = Batcher(handle, policy, forwards, rule, counted.queued if counted else lambda waited_s: None)
     logger.info(
         "loaded model %s version %s from %s, running %s in %.2fs (batch %d, %g ms)",
         name, version, folder, options.describe(), time.perf_counter() - started, policy.batch_size, policy.max_delay_ms,
     )
-    return ServedModel(name, version, service, batcher, freshness, folder)
+    read_raw_ids = None
+    if counted is not None and service.unseen_ids is not None:
+        raw_ids = service.unseen_ids
+        read_raw_ids = lambda: counted.add(raw_id_increments(raw_ids))  # noqa: E731
+    return ServedModel(name, version, service, batcher, freshness, folder, read_raw_ids, options.metrics_flush_s)
+
+
+def _handle(service: ScoringService, counted: ModelMetrics | None, arrivals: Sequence[Arrival]) -> list[Response]:
+    """One batch scored (on the forward thread), and counted."""
+    handled = service.handle(arrivals)
+    if counted is not None:
+        counted.add(batch_increments(len(arrivals), handled.stats))
+        lookups = getattr(service.model, "sparse", None)  # a dense host's calls to its shards
+        if isinstance(lookups, ShardedLookups):
+            counted.add((name, labels, value) for (name, labels), value in lookups.take_counts().items())
+    return handled.responses
 
 
 def manifest_model(archive: Archive) -> tuple[str, str | None]:

@@ -7,6 +7,7 @@
     GET  /v2/models/{model}[/versions/{version}]/stats     requests and batches (Triton's statistics
                                                            extension, in part; this process's counts)
     GET  /v2/health/live, /v2/health/ready, /ping          health, without a key (auth.OPEN_PATHS)
+    GET  /metrics                                          Prometheus, every process's (metrics.py), without a key
 
 An inference request is passed to the model's batcher as TorchServe's adapter passes it to the
 runtime (``handlers.torchserve_handler._payload``): the body, ``Content-Type``,
@@ -18,12 +19,14 @@ runtime answers a body it cannot read yet).
 
 from __future__ import annotations
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response as HttpResponse
 from starlette.routing import Route
 
 from handlers.asgi.answers import answer, json_answer, refusal
 from handlers.asgi.metadata import model_metadata
+from handlers.asgi.metrics import scrape
 from handlers.asgi.registry import ModelRegistry, ServedModel
 from handlers.runtime.errors import PayloadTooLarge, ServingError
 from handlers.runtime.wire.transport import FORM_TYPES, Arrival, too_large
@@ -120,6 +123,10 @@ async def ready(request: Request) -> HttpResponse:
     return json_answer({"ready": True})  # a process answers only once its models are loaded
 
 
+async def metrics(request: Request) -> HttpResponse:
+    return HttpResponse(scrape(), media_type=CONTENT_TYPE_LATEST)
+
+
 async def ping(request: Request) -> HttpResponse:
     return json_answer({"status": "Healthy"})
 
@@ -142,4 +149,5 @@ ROUTES = [
     Route("/v2/health/live", live, methods=["GET"]),
     Route("/v2/health/ready", ready, methods=["GET"]),
     Route("/ping", ping, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
 ]

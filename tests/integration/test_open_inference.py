@@ -96,6 +96,7 @@ def test_model_infer_scores_as_json_and_a_refusal_is_invalid_argument(server, oi
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             details = error.value.details()
             assert f"(sparse_features.values) (feature {first}, item 0, id 0): ids must be >= 0, got -5" in details
+            assert details.endswith("got -5"), details  # the message alone: no Java class name after it
         else:
             answer = future.result()
             assert answer.id == f"r{k}" and answer.model_name == "tiny" and answer.model_version == "1.0"

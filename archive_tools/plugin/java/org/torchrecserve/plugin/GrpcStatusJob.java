@@ -13,29 +13,31 @@ import org.pytorch.serve.job.Job;
  * {@code GRPCJob} answers {@code Predictions} with status OK whatever status the handler set for
  * that request (the error's JSON as the prediction); only a whole batch's failure reaches its
  * {@code sendError}. Put on the model's queue in the request's place ({@link AdmissionQueue}),
- * this job turns the handler's status of 400 or more for its request into {@code sendError}, with
- * the handler's message: TorchServe's own mapping then gives 400 {@code INVALID_ARGUMENT}, 413
- * {@code RESOURCE_EXHAUSTED}, 503 {@code UNAVAILABLE}, 500 {@code INTERNAL}. The other requests
+ * this job turns the handler's status of 400 or more for its request into the call's error, with
+ * the handler's message alone ({@link Internals#failGrpcCall}): TorchServe's own mapping gives 400
+ * {@code INVALID_ARGUMENT}, 413 {@code RESOURCE_EXHAUSTED}, 503 {@code UNAVAILABLE}, 500 {@code INTERNAL}. The other requests
  * of the batch are answered as before.
  */
 final class GrpcStatusJob extends Job {
-    private final Job job;
+    private final GRPCJob job;
 
-    private GrpcStatusJob(Job job) {
+    private GrpcStatusJob(GRPCJob job) {
         super(job.getModelName(), job.getModelVersion(), job.getCmd(), job.getPayload());
         this.job = job;
     }
 
     /** {@code job} as it goes on the queue: wrapped when it is a gRPC inference request. */
     static Job of(Job job) {
-        return job instanceof GRPCJob && Internals.isInference(job.getCmd()) ? new GrpcStatusJob(job) : job;
+        return job instanceof GRPCJob && Internals.isInference(job.getCmd())
+                ? new GrpcStatusJob((GRPCJob) job)
+                : job;
     }
 
     @Override
     public void response(
             byte[] body, CharSequence contentType, int statusCode, String statusPhrase, Map<String, String> headers) {
         if (statusCode >= 400) {
-            job.sendError(statusCode, message(body));
+            Internals.failGrpcCall(job, statusCode, message(body)); // the message alone
         } else {
             job.response(body, contentType, statusCode, statusPhrase, headers);
         }

@@ -1,5 +1,7 @@
 package org.torchrecserve.plugin;
 
+import io.grpc.stub.ServerCallStreamObserver;
+import io.grpc.stub.StreamObserver;
 import java.lang.reflect.Field;
 import java.util.ArrayList;
 import java.util.List;
@@ -8,7 +10,9 @@ import java.util.concurrent.ConcurrentMap;
 import java.util.concurrent.LinkedBlockingDeque;
 import java.util.concurrent.atomic.AtomicBoolean;
 import java.util.concurrent.atomic.AtomicReference;
+import org.pytorch.serve.job.GRPCJob;
 import org.pytorch.serve.job.Job;
+import org.pytorch.serve.util.GRPCUtils;
 import org.pytorch.serve.util.messages.BaseModelRequest;
 import org.pytorch.serve.util.messages.WorkerCommands;
 import org.pytorch.serve.wlm.BatchAggregator;
@@ -30,6 +34,8 @@ import org.pytorch.serve.wlm.WorkerThread;
  *   <li>{@code Model.pollBatch} takes a batch's first job with {@code poll(Long.MAX_VALUE, ms)} and
  *       the rest with {@code poll(maxBatchDelay)}: the only sign that a batch starts ({@link
  *       #isBatchStart}; pinned by a test that reads the compiled {@code Model.pollBatch}).
+ *   <li>{@code GRPCJob.predictionResponseObserver}, {@code GRPCJob.modelInferResponseObserver}: a
+ *       gRPC inference call, ended with the handler's message alone ({@link #failGrpcCall}).
  * </ul>
  */
 final class Internals {
@@ -39,6 +45,8 @@ final class Internals {
     private static final Field WORKER_RUNNING = field(WorkerThread.class, "running");
     private static final Field WORKER_THREAD = field(WorkerThread.class, "currentThread");
     private static final Field AGGREGATOR_JOBS = field(BatchAggregator.class, "jobs");
+    private static final Field GRPC_PREDICTIONS = field(GRPCJob.class, "predictionResponseObserver");
+    private static final Field GRPC_MODEL_INFER = field(GRPCJob.class, "modelInferResponseObserver");
 
     /** {@code Model.DEFAULT_DATA_QUEUE}, a constant compiled into this plugin. */
     static final String DATA_QUEUE = Model.DEFAULT_DATA_QUEUE;
@@ -91,6 +99,25 @@ final class Internals {
     /** True once the worker's thread has left its loop (its backend process is stopped then). */
     static boolean hasExited(WorkerThread worker) {
         return ((AtomicReference<?>) get(WORKER_THREAD, worker)).get() == null;
+    }
+
+    /**
+     * Ends a gRPC inference call ({@code Predictions}, {@code StreamPredictions}, {@code ModelInfer})
+     * with TorchServe's gRPC code for {@code status} and {@code message} as the whole description:
+     * {@code GRPCJob.sendError} appends the line {@code org.pytorch.serve.http.InternalServerException}
+     * to it. A streamed call ({@code StreamPredictions2}, whose error is a message of the stream) goes
+     * to {@code sendError}; a call its client cancelled is left alone, as {@code sendError} leaves it.
+     */
+    static void failGrpcCall(GRPCJob job, int status, String message) {
+        WorkerCommands command = job.getCmd();
+        Field field = command == WorkerCommands.OIPPREDICT ? GRPC_MODEL_INFER : GRPC_PREDICTIONS;
+        StreamObserver<?> observer = (StreamObserver<?>) get(field, job);
+        if (command == WorkerCommands.STREAMPREDICT2 || observer == null) {
+            job.sendError(status, message);
+        } else if (!(observer instanceof ServerCallStreamObserver
+                && ((ServerCallStreamObserver<?>) observer).isCancelled())) {
+            observer.onError(GRPCUtils.getGRPCStatusCode(status).withDescription(message).asRuntimeException());
+        }
     }
 
     static boolean isInference(WorkerCommands command) {
