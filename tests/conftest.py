@@ -40,6 +40,9 @@ SLOWEST_FIRST = (
     "tests/integration/test_distributed.py",
     "tests/bench/test_freshness.py",
     "tests/bench/test_raw_ids_scenario.py",
+    "tests/integration/test_asgi_management.py",
+    "tests/integration/test_asgi_engine.py",
+    "tests/integration/test_asgi_metrics.py",
 )
 
 
