@@ -34,9 +34,9 @@ SHARE = 0.01
 REQUESTS = 100  # one of them poisoned
 
 
-def build_lenient(store: Path) -> None:
-    """The example built (exported) from a spec that lets two candidate ids through
-    (``benchmarks.lenient_ranker``: its build still runs the model on one an item)."""
+def build_lenient(store: Path, artifact: str = "aoti") -> None:
+    """The example built (``artifact``: aoti or exported) from a spec that lets two candidate ids
+    through (``benchmarks.lenient_ranker``: its build still runs the model on one an item)."""
     raw = yaml.safe_load((EXAMPLE / "seq_ranker.yaml").read_text())
     item = raw["tables"][0]
     item["ids_per_item"] = {"min": 1, "max": 2}
@@ -46,7 +46,7 @@ def build_lenient(store: Path) -> None:
     architecture = "benchmarks.lenient_ranker:LenientSeqRanker"
     spec.write_text(yaml.safe_dump({**raw, "name": NAME, "architecture": architecture}, sort_keys=False))
     path = os.pathsep.join(p for p in (str(EXAMPLE), os.environ.get("PYTHONPATH")) if p)
-    build(spec, store, "--seed", "0", "--artifact", "exported", quiet=True, env={**os.environ, "PYTHONPATH": path})
+    build(spec, store, "--seed", "0", "--artifact", artifact, quiet=True, env={**os.environ, "PYTHONPATH": path})
 
 
 def traffic(seed: int = 0) -> tuple[Traffic, Traffic]:

@@ -89,6 +89,9 @@ class ReliabilityScenario:
     # the serving model's admission wait target (None: the plugin's default, a few batch times);
     # the smoke runs beside test files that compile and start workers, which can stall the server
     max_queue_wait_ms: int | None = None
+    # how the poisoned requests' model is built (benchmarks.poisoned): compiled as production serves
+    # it; the smoke captures it only, a fifth of the build time
+    poisoned_artifact: str = "aoti"
 
     @property
     def admission(self) -> dict[str, int]:
@@ -105,7 +108,7 @@ RELIABILITY_SCENARIOS = {
         "reliability-smoke", MODELS / "tiny.yaml", (),
         soak_s=2.0, phase_s=1.0, scale_trials=1, fuzz_cases=100, overload_s=2.0,
         log_s=1.0, log_rate=200.0, candidate_features=("item_id",), load_step=0.375, token_lifetimes=4,
-        load_scale=0.5, max_queue_wait_ms=5000,
+        load_scale=0.5, max_queue_wait_ms=5000, poisoned_artifact="exported",
         # the test suite checks these against a real TorchServe already (tests/integration:
         # test_plugin's hung worker, scale-down, overload and a new worker's start priority,
         # test_local_server's key expiry, the freshness smoke's version transition under load); a
@@ -126,7 +129,7 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
     shutil.rmtree(store, ignore_errors=True)
     versions = ("1.0",) if "version_swap" in scenario.skip else ("1.0", "2.0")
     with ThreadPoolExecutor(2) as builds:  # child processes, mostly importing torch
-        lenient = builds.submit(build_lenient, store / "1.0")
+        lenient = builds.submit(build_lenient, store / "1.0", scenario.poisoned_artifact)
         list(builds.map(lambda version: _build(scenario, store / version, version), versions))
         lenient.result()
     name = spec.name

@@ -144,7 +144,12 @@ class ScoringService:
             if self._score([parts[i].inputs for i in chunk], positions, encoders, batch):
                 # the forward raised: find the requests that fail alone, and score the others
                 batch.split_forwards += 1
-                self._score_apart([(index, self.decoder.decode(payloads[index])) for index in positions], batch)
+                failed: list[tuple[int, Any, Exception]] = []
+                self._score_apart([(index, self.decoder.decode(payloads[index])) for index in positions], batch, failed)
+                others_scored = len(failed) < len(positions)
+                for index, encoder, error in failed:
+                    refusal = _model_error(error, others_scored)
+                    batch.answer(index, encoder.error(refusal), refusal)
         stats = BatchStats(
             stage_ms=batch.watch.ms,
             forward_items=batch.forward_items,
@@ -156,10 +161,17 @@ class ScoringService:
         return HandledBatch(batch.responses, stats)  # type: ignore[arg-type]  # every index answered
 
     def _score(
-        self, requests: Sequence[RequestInputs], positions: list[int], encoders: list[Any], batch: "_BatchInProgress"
+        self,
+        requests: Sequence[RequestInputs],
+        positions: list[int],
+        encoders: list[Any],
+        batch: "_BatchInProgress",
+        failed: list[tuple[int, Any, Exception]] | None = None,
     ) -> bool:
         """One forward over ``requests``, answering each at its position in ``batch``; True when
-        the model raised on more than one request (none answered: the caller scores them apart)."""
+        the model raised on more than one request (none answered: the caller scores them apart).
+        ``failed``: where a request that fails alone goes, unanswered (a split's: its answer
+        depends on whether its neighbours were scored), else it is answered now."""
         batch.forward_items.append(sum(r.num_items for r in requests))
         try:
             output, counts = self._forward(requests, batch.watch)
@@ -171,7 +183,10 @@ class ScoringService:
         except Exception as error:
             if len(positions) > 1:
                 return True
-            refusal = _model_error(error)
+            if failed is not None:
+                failed.append((positions[0], encoders[0], error))
+                return False
+            refusal = _model_error(error, others_scored=False)
             batch.answer(positions[0], encoders[0].error(refusal), refusal)
             return False
         with batch.watch("encode"):  # sigmoid once for the chunk, not once per request
@@ -181,15 +196,17 @@ class ScoringService:
                 batch.responses[index] = encoder.answer(request_logits, request_scores)
         return False
 
-    def _score_apart(self, requests: list[tuple[int, DecodedRequest]], batch: "_BatchInProgress") -> None:
+    def _score_apart(
+        self, requests: list[tuple[int, DecodedRequest]], batch: "_BatchInProgress", failed: list
+    ) -> None:
         """Requests whose forward together raised (each decoded alone), scored in halves, then
-        alone where a half raises too: only a request that fails alone gets its error."""
+        alone where a half raises too: the requests that fail alone go to ``failed``."""
         middle = len(requests) // 2
         for half in (requests[:middle], requests[middle:]):
             positions = [index for index, _ in half]
             encoders = [request.encoder for _, request in half]
-            if self._score([request.inputs for _, request in half], positions, encoders, batch):
-                self._score_apart(half, batch)
+            if self._score([request.inputs for _, request in half], positions, encoders, batch, failed):
+                self._score_apart(half, batch, failed)
 
     def logits(self, requests: Sequence[RequestInputs]) -> list[torch.Tensor]:
         """One forward over all items of ``requests`` (each one request's inputs, or a part of
@@ -247,10 +264,12 @@ _INPUT_ERRORS = (AssertionError, IndexError, ValueError)
 _INPUT_ERROR_WORDS = re.compile(r"shape|size|dimension|out of (bounds|range)|index|assert", re.IGNORECASE)
 
 
-def _model_error(error: Exception) -> ServingError:
+def _model_error(error: Exception, others_scored: bool) -> ServingError:
     """A forward's exception on one request alone, as its answer: a 4xx naming the model's
-    error where the input is to blame, else a 500 (logged with its traceback)."""
-    if isinstance(error, _INPUT_ERRORS) or (
+    error where the input is to blame (the requests batched beside it were scored, or the error
+    is one of shapes or values), else a 500 (logged with its traceback). A compiled graph's error
+    says little (AOTInductor's names its runner's line), so its neighbours are the evidence."""
+    if others_scored or isinstance(error, _INPUT_ERRORS) or (
         isinstance(error, RuntimeError) and _INPUT_ERROR_WORDS.search(str(error))
     ):
         logger.debug("the model refused a request: %s: %s", type(error).__name__, error)

@@ -141,25 +141,38 @@ def test_a_request_the_model_refuses_fails_alone(strict_model):
     assert handled.stats.rejected == {"model_refused": 2}
 
 
-def test_a_model_error_that_is_not_the_inputs_is_a_500_for_its_request_alone():
-    """An error that names no shape or value of the request is the server's: 500, the message
-    generic (the traceback goes to the log), the neighbours scored."""
+def _failing_on_a_marker(marker: float):
+    """The float model raising an error that names no shape or value on any item whose first
+    dense feature is ``marker`` (as a compiled graph's errors do: AOTInductor's name its runner)."""
     model = DLRMFactory(_spec()).float_model(seed=0)
     forward = model.forward
 
     def fails_on_a_marker(dense, sparse, history, item_counts):
-        if bool((dense == 123.0).any()):
-            raise RuntimeError("the accelerator went away")
+        if bool((dense[:, 0] == marker).any()):
+            raise RuntimeError("run_func_(container_handle_, ...) API call failed")
         return forward(dense, sparse, history, item_counts)
 
     model.forward = fails_on_a_marker
-    service = eager_service(_spec(), model)
+    return model
+
+
+def test_an_error_that_says_nothing_is_the_requests_where_its_neighbours_were_scored():
+    """The neighbours are the evidence: scored while it fails alone, the request is to blame (400
+    naming the model's error); alone in its batch, or failing beside requests that all fail, the
+    server is (500, the message generic, the traceback to the log)."""
+    service = eager_service(_spec(), _failing_on_a_marker(123.0))
     requests = [_request(2, 3, seed=20 + k) for k in range(4)]
     requests[1]["items"][2]["dense"][0] = 123.0
     handled = service.handle(requests)
-    assert [r.status for r in handled.responses] == [200, 500, 200, 200]
-    assert orjson.loads(handled.responses[1].body)["message"] == "model forward failed"
-    assert handled.stats.split_forwards == 1 and handled.stats.rejected == {}
+    assert [r.status for r in handled.responses] == [200, 400, 200, 200]
+    assert "API call failed" in orjson.loads(handled.responses[1].body)["message"]
+    assert handled.stats.split_forwards == 1 and handled.stats.rejected == {"model_refused": 1}
     torch.testing.assert_close(
         torch.tensor(_scores(handled.responses[3])), torch.tensor(_scores(service.handle([requests[3]]).responses[0]))
     )
+    alone = service.handle([requests[1]]).responses[0]
+    assert alone.status == 500 and orjson.loads(alone.body)["message"] == "model forward failed"
+    for request in requests[2:]:
+        request["items"][0]["dense"][0] = 123.0
+    all_fail = service.handle(requests[1:])
+    assert [r.status for r in all_fail.responses] == [500, 500, 500] and all_fail.stats.rejected == {}
