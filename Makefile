@@ -78,12 +78,12 @@ $(STAMP): pyproject.toml examples/din/pyproject.toml Makefile
 demo: setup
 	$(BIN)/python examples/demo.py
 
-# Three processes, a test file each at a time (its servers and archives stay its own): most tests
-# wait on servers and loads (two processes kept this machine's two cores 54% busy), so three
-# share them well. Files go in the order tests/conftest.py gives (the slowest first), and the ten
+# Two processes, a test file each at a time (its servers and archives stay its own): most tests
+# wait on servers and loads, so two share this machine's two cores well (three took as long: 11:28
+# against 11:52). Files go in the order tests/conftest.py gives (the slowest first), and the ten
 # slowest tests are listed.
 test: setup wrk prometheus
-	$(BIN)/python -m pytest -v -n 3 --dist loadfile --no-loadscope-reorder --durations=10 tests
+	$(BIN)/python -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder --durations=10 tests
 
 bench: setup wrk
 	$(BIN)/torchrec-serve bench $(SCENARIO) $(if $(DATA),--data $(DATA))
