@@ -29,8 +29,9 @@ Writes ``benchmarks/results/SCENARIO/reliability.json`` (the keys below), ``summ
 * ``register_during_load_inference_p99_ms``, ``inference_p99_ms_baseline``: 50% load while a
   second model registers synchronously, against the same load without;
 * ``version_swap_failed_requests``: register version 2.0, set it default, unregister 1.0, under load;
-* ``poisoned_*`` (``benchmarks.poisoned``): 1% of requests that the model itself refuses, at half
-  the max load: the good requests' failures (none) and p99 against a clean load's;
+* ``poisoned_*`` (``benchmarks.poisoned``): 1% of requests that the model itself refuses, at
+  1,000 requests/s for 45 s (the smoke: half its max load, 1 s): the good requests' failures
+  (none) and p99 against a clean load's;
 * ``fuzz_cases``, ``fuzz_5xx``: mutated bodies (truncated, wrong types, huge values, duplicate
   keys, bad encodings, ...), and whether the worker stayed up;
 * ``token_expiry_client_errors``: a server whose keys expire every 3 s, served for 10 key lifetimes
@@ -92,6 +93,9 @@ class ReliabilityScenario:
     # how the poisoned requests' model is built (benchmarks.poisoned): compiled as production serves
     # it; the smoke captures it only, a fifth of the build time
     poisoned_artifact: str = "aoti"
+    # its open loops: their rate (None: half the max load) and length (a p99 wants 45 s and more)
+    poisoned_rps: float | None = 1000.0
+    poisoned_s: float = 45.0
 
     @property
     def admission(self) -> dict[str, int]:
@@ -108,7 +112,7 @@ RELIABILITY_SCENARIOS = {
         "reliability-smoke", MODELS / "tiny.yaml", (),
         soak_s=2.0, phase_s=1.0, scale_trials=1, fuzz_cases=100, overload_s=2.0,
         log_s=1.0, log_rate=200.0, candidate_features=("item_id",), load_step=0.375, token_lifetimes=4,
-        load_scale=0.5, max_queue_wait_ms=5000, poisoned_artifact="exported",
+        load_scale=0.5, max_queue_wait_ms=5000, poisoned_artifact="exported", poisoned_rps=None, poisoned_s=1.0,
         # the test suite checks these against a real TorchServe already (tests/integration:
         # test_plugin's hung worker, scale-down, overload and a new worker's start priority,
         # test_local_server's key expiry, the freshness smoke's version transition under load); a
@@ -154,7 +158,7 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
         figures.update(_soak(server, url, auth, one_item, 0.8 * max_rps, scenario.soak_s))
         phase("soak")
         _disruptions(server, scenario, name, one_item, max_rps, figures, timelines, phase)
-        figures.update(poisoned_load(server, 0.5 * max_rps, scenario.phase_s))
+        figures.update(poisoned_load(server, scenario.poisoned_rps or 0.5 * max_rps, scenario.poisoned_s))
         phase("poisoned requests")
         figures.update(_fuzz(server, name, one_item, scenario.fuzz_cases))
         phase("fuzz")
