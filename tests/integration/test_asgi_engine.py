@@ -247,8 +247,10 @@ def test_a_body_over_the_limit_is_refused_unread(server, reference):
 
 def test_requests_over_the_wait_target_get_a_fast_503(server, tiny_spec):
     """Each batch of tiny_guarded takes one request of 250 items (over its 1 ms target); once one
-    batch was measured with requests behind it, a request arriving while another waits is shed."""
+    batch was measured with requests behind it, a request arriving while another waits is shed,
+    before it reaches a forward."""
     big = json.dumps(items_request(tiny_spec, 250, seed=9, max_bag=8))
+    before = sum(size * count for size, count in server.stats(GUARDED).items())
     expected = server.post(f"/predictions/{GUARDED}", big)
     assert expected.status_code == 200, expected.text
     outcomes = []
@@ -262,7 +264,10 @@ def test_requests_over_the_wait_target_get_a_fast_503(server, tiny_spec):
     body = shed[0].json()
     assert body["type"] == "ServiceUnavailable" and shed[0].headers["Retry-After"] == "1"
     assert f"model {GUARDED} version 1.0 is overloaded" in body["message"] and "max_queue_wait_ms" in body["message"]
-    assert max(r.elapsed.total_seconds() for r in shed) < max(r.elapsed.total_seconds() for r in served)
+    # shed at admission, never queued for a forward: the requests that reached one are the served
+    # (a latency comparison flaked on a loaded machine: the speed of a 503 is a benchmark's figure)
+    forwarded = sum(size * count for size, count in server.stats(GUARDED).items()) - before
+    assert forwarded == 1 + len(served), (forwarded, len(served), len(shed))
 
 
 def test_two_worker_processes_serve(store, reference, tiny_spec, tmp_path):
