@@ -67,6 +67,27 @@ class HandlerCounters:
             forward_ms=self.forward_ms - earlier.forward_ms,
         )
 
+    @classmethod
+    def from_metrics(cls, text: str, model: str) -> "HandlerCounters":
+        """The counters in a Prometheus text exposition (either engine's: the same names and
+        ``ModelName`` label), summed over the workers."""
+        batches: dict[int, int] = {}
+        totals = {"HandlerForwards": 0, "HandlerForwardItems": 0}
+        forward_ms = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.labels.get("ModelName") != model:
+                    continue
+                name = family.name
+                if name == "HandlerBatches":
+                    size = int(sample.labels["Requests"])
+                    batches[size] = batches.get(size, 0) + int(sample.value)
+                elif name in totals:
+                    totals[name] += int(sample.value)
+                elif name == "HandlerStageMilliseconds" and sample.labels.get("Stage") == "forward":
+                    forward_ms += sample.value
+        return cls(batches, totals["HandlerForwards"], totals["HandlerForwardItems"], forward_ms)
+
     @property
     def requests(self) -> int:
         return sum(size * count for size, count in self.batches.items())
@@ -294,27 +315,7 @@ class LocalTorchServe:
     def handler_counters(self, model: str) -> HandlerCounters:
         """Reads our handler's counters for ``model`` from the Prometheus metrics API, exact up
         to now."""
-        text = self.scrape(model)
-        batches: dict[int, int] = {}
-        totals = {"HandlerForwards": 0, "HandlerForwardItems": 0}
-        forward_ms = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.labels.get("ModelName") != model:
-                    continue
-                if family.name == "HandlerBatches":
-                    size = int(sample.labels["Requests"])
-                    batches[size] = batches.get(size, 0) + int(sample.value)
-                elif family.name in totals:
-                    totals[family.name] += int(sample.value)
-                elif family.name == "HandlerStageMilliseconds" and sample.labels.get("Stage") == "forward":
-                    forward_ms += sample.value
-        return HandlerCounters(
-            batches=batches,
-            forwards=totals["HandlerForwards"],
-            forward_items=totals["HandlerForwardItems"],
-            forward_ms=forward_ms,
-        )
+        return HandlerCounters.from_metrics(self.scrape(model), model)
 
     def predict(
         self, model: str, body: bytes | str | dict, version: str | None = None, timeout_s: float = 60

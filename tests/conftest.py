@@ -41,6 +41,7 @@ SLOWEST_FIRST = (
     "tests/bench/test_freshness.py",
     "tests/bench/test_raw_ids_scenario.py",
     "tests/integration/test_asgi_management.py",
+    "tests/integration/test_serving.py",
     "tests/integration/test_asgi_engine.py",
     "tests/integration/test_asgi_metrics.py",
 )

@@ -6,7 +6,7 @@ Every process of a server builds its own from the same ``EngineSettings``, which
 process puts in its environment (``ENGINE_ENV``) for uvicorn's worker processes:
 
     os.environ[ENGINE_ENV] = EngineSettings((Path("/tmp/x/tiny"),), Path("keys.json")).to_env()
-    uvicorn.run("handlers.asgi.app:app_from_environment", factory=True, workers=4)
+    uvicorn.run("handlers.asgi.factory:app_from_environment", factory=True, workers=4)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import gc
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import orjson
 from starlette.applications import Starlette
@@ -58,7 +58,9 @@ class EngineSettings:
         return cls(tuple(Path(f) for f in raw["folders"]), Path(raw["key_file"]), **optional)
 
 
-def create_app(settings: EngineSettings) -> KeyCheck:
+def create_app(settings: EngineSettings, loaded: Callable[[], None] = lambda: None) -> KeyCheck:
+    """The engine's app; ``loaded`` is called once its models are loaded, before it serves."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         forwards = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")  # one forward at a time
@@ -75,6 +77,7 @@ def create_app(settings: EngineSettings) -> KeyCheck:
             await reconciler.apply()  # the models wanted now, before the first connection
             reconciler.start()
             app.state.management = Management(settings.store, reconciler.state, reconciler)
+        loaded()
         readers = [  # the raw-id counts of the models loaded at start (the reconciler reads its own)
             asyncio.create_task(read_every(m.read_raw_ids, m.metrics_every_s, forwards))
             for m in models.models if m.read_raw_ids is not None
@@ -92,8 +95,3 @@ def create_app(settings: EngineSettings) -> KeyCheck:
 
     keys = KeyFile(settings.key_file)
     return KeyCheck(Starlette(routes=ROUTES + MANAGEMENT_ROUTES, lifespan=lifespan), keys.key(), keys.management_key())
-
-
-def app_from_environment() -> KeyCheck:
-    """uvicorn's factory, in each server process."""
-    return create_app(EngineSettings.from_env())

@@ -52,9 +52,15 @@ def rollback(model: ServedModel, to: int) -> dict[str, Any]:
 
 
 def state(model: ServedModel) -> dict[str, Any]:
-    """The plugin's state answer: each live process of the server is one of its workers."""
+    """The plugin's state answer: each live process of the server is one of its workers, with the
+    fields the plugin gives each TorchServe worker (its rows are the working copy's: the applied
+    sequence is every process's)."""
     freshness, log = _freshness(model)
-    return {"model": model.name, "version": model.version, "log": str(log), **freshness.answer(State()).to_reply()}
+    reply = freshness.answer(State()).to_reply()
+    reply["workers"] = [{"pid": note["pid"], "status": "WORKER_MODEL_LOADED", "applied_sequence": reply["applied_sequence"],
+                         "dense_sequence": note["dense_sequence"], "dense_swap_s": note["dense_swap_s"]}
+                        for note in reply["workers"]]
+    return {"model": model.name, "version": model.version, "log": str(log), **reply}
 
 
 def append(delta: Path, log: Path, sequence: int) -> Path:

@@ -69,7 +69,7 @@ def run(settings: EngineSettings, host: str, port: int, workers: int) -> None:
 
 def _serve(host: str, port: int, workers: int) -> None:
     uvicorn.run(
-        "handlers.asgi.app:app_from_environment",
+        "handlers.asgi.factory:app_from_environment",
         factory=True,
         host=host,
         port=port,

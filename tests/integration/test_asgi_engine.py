@@ -1,19 +1,13 @@
-"""The second engine end to end: ``torchrec-serve serve --engine asgi`` (uvicorn + Starlette) as a
-subprocess on a free loopback port, serving the archives as built, checked against the same
-archives loaded in this process (``tests.helpers.archive_service``): the same answers, byte for
-byte; batches scored as alone; the v2 protocol for the project's client and Triton's; keys;
-413; admission's 503s. One server for the module (one process), one more for ``--workers 2``.
+"""What the ASGI engine serves beyond the behaviour both engines share (``test_serving.py``):
+``torchrec-serve serve --engine asgi`` as a subprocess on a free loopback port, checked against
+the same archives loaded in this process (``tests.helpers.archive_service``): the v2 protocol for
+the project's client and Triton's, its probes and statistics behind keys, a chunked body over the
+limit, admission's 503s. One server for the module (one process).
 """
 
 from __future__ import annotations
 
-import gzip
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,15 +18,14 @@ import tritonclient.http as triton
 
 from archive_tools.build import build_archive
 from archive_tools.client import ScoringClient
-from archive_tools.local_server import free_port
 from archive_tools.model_config import ServingConfig
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.transport import Arrival
 from handlers.runtime.wire.v2_headers import HEADER_LENGTH
 from handlers.runtime.wire.v2_tensors import encode_request
 from tests.conftest import TINY_SPEC
-from tests.handlers.runtime.test_decode import BAD_REQUESTS
 from tests.helpers import archive_service, items_request
+from tests.integration.engines import AsgiServer
 
 pytestmark = pytest.mark.integration
 
@@ -41,68 +34,12 @@ MAX_BATCH_DELAY_MS = 50  # long enough that concurrent requests land in one batc
 GUARDED = "tiny_guarded"  # one request per batch, a 1 ms wait target: a second request waiting is shed
 
 
-class AsgiServer:
-    """``torchrec-serve serve --engine asgi`` in its own process group, stopped by pid."""
-
-    def __init__(self, store: Path, archives: list[str], workers: int, workdir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.key_file = workdir / "keys.json"
-        self.log = workdir / "server.out"
-        command = [sys.executable, "-m", "archive_tools", "serve", "--engine", "asgi", *archives,
-                   "--model-store", str(store), "--port", str(self.port), "--workers", str(workers),
-                   "--key-file", str(self.key_file)]
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self._wait_ready(timeout_s=180)
-        except BaseException:
-            self.stop()
-            raise
-        self.key = json.loads(self.key_file.read_text())["inference"]["key"]
-        self.auth = {"Authorization": f"Bearer {self.key}"}
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"the server exited:\n{self.log.read_text()[-3000:]}")
-            try:
-                if requests.get(f"{self.url}/v2/health/ready", timeout=2).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.25)
-        raise AssertionError(f"not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
-
-    def post(self, path: str, body: bytes | str | dict, headers: dict | None = None, auth: bool = True) -> requests.Response:
-        data = json.dumps(body) if isinstance(body, dict) else body
-        sent = {"Content-Type": "application/json", **(self.auth if auth else {}), **(headers or {})}
-        return requests.post(f"{self.url}{path}", data=data, headers=sent, timeout=60)
-
-    def stats(self, model: str) -> dict[int, int]:
-        """{requests in a batch: batches}, this process's (the statistics route)."""
-        stats = requests.get(f"{self.url}/v2/models/{model}/stats", headers=self.auth, timeout=10).json()
-        return {b["batch_size"]: b["compute_infer"]["count"] for b in stats["model_stats"][0]["batch_stats"]}
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # start_new_session: the group is the server's pid
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    """tiny.mar, the same model unzipped (tiny_folder), and tiny_guarded.mar (admission)."""
+    """tiny.mar and tiny_guarded.mar (admission)."""
     store = tmp_path_factory.mktemp("asgi") / "model_store"
     serving = ServingConfig(batch_size=BATCH_SIZE, max_batch_delay_ms=MAX_BATCH_DELAY_MS)
     build_archive(TINY_SPEC, checkpoint=None, seed=0, name="tiny", version="1.0", model_store=store, serving=serving)
-    build_archive(TINY_SPEC, checkpoint=None, seed=3, name="tiny_folder", version="1.0", model_store=store,
-                  serving=serving, archive_format="no-archive")
     build_archive(TINY_SPEC, checkpoint=None, seed=0, name=GUARDED, version="1.0", model_store=store,
                   serving=ServingConfig(batch_size=1, max_batch_delay_ms=1, max_queue_wait_ms=1))
     return store
@@ -110,14 +47,14 @@ def store(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(store, tmp_path_factory):
-    server = AsgiServer(store, ["tiny.mar", "tiny_folder", f"{GUARDED}.mar"], 1, tmp_path_factory.mktemp("asgi-server"))
+    server = AsgiServer(store, ["tiny.mar", f"{GUARDED}.mar"], 1, tmp_path_factory.mktemp("asgi-server"))
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def reference(store) -> dict[str, ScoringService]:
-    return {name: archive_service(store / archive) for name, archive in (("tiny", "tiny.mar"), ("tiny_folder", "tiny_folder"))}
+    return {"tiny": archive_service(store / "tiny.mar")}
 
 
 def _in_process(service: ScoringService, body: bytes | str | dict, content_type: str = "application/json", **headers):
@@ -129,50 +66,10 @@ def _in_process(service: ScoringService, body: bytes | str | dict, content_type:
     return response.status, response.body
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny_folder"])
-def test_scores_are_the_in_process_service_s_exactly(server, reference, tiny_spec, model):
-    for n, seed in ((1, 1), (5, 2), (100, 3)):
-        request = items_request(tiny_spec, n, seed=seed, max_bag=5, return_logits=True)
-        served = server.post(f"/predictions/{model}", request)
-        assert (served.status_code, served.content) == _in_process(reference[model], request)
-        assert served.headers["content-type"] == "application/json"
-        versioned = server.post(f"/predictions/{model}/1.0", request)
-        assert versioned.content == served.content
 
 
-def test_concurrent_requests_are_batched_and_score_as_alone(server, tiny_spec):
-    requests_ = [
-        items_request(tiny_spec, n_items, seed=100 + i, max_bag=bag)
-        for i, (n_items, bag) in enumerate([(1, 0), (3, 7), (1, 20), (17, 2), (2, 50), (8, 1)] * 4)
-    ]
-    alone = [server.post("/predictions/tiny", r).json()["scores"] for r in requests_]
-    before = server.stats("tiny")
-    with ThreadPoolExecutor(max_workers=len(requests_)) as pool:
-        together = list(pool.map(lambda r: server.post("/predictions/tiny", r), requests_))
-    for response, solo in zip(together, alone):
-        assert response.status_code == 200, response.text
-        assert response.json()["scores"] == pytest.approx(solo, abs=1e-6)  # the TorchServe path's bound
-    formed = {size: count - before.get(size, 0) for size, count in server.stats("tiny").items()}
-    assert sum(size * count for size, count in formed.items()) == len(requests_)
-    assert max(size for size, count in formed.items() if count) > 1, f"no batch of several requests: {formed}"
-    assert max(formed) <= BATCH_SIZE
 
 
-def test_bad_input_is_answered_as_the_in_process_service_answers_it(server, reference, tiny_spec):
-    good = items_request(tiny_spec, 2, seed=7)
-    cases = [(body, "application/json", {}) for body, _, _ in BAD_REQUESTS[:4] + BAD_REQUESTS[10:16]]
-    cases += [
-        (json.dumps(good), "application/x-www-form-urlencoded", {}),  # what curl -d sends: 415 with the fix
-        (b"not gzip", "application/json", {"encoding": "gzip"}),
-        (gzip.compress(json.dumps(good).encode()), "application/json", {"encoding": "gzip"}),  # scored
-    ]
-    for body, content_type, extra in cases:
-        headers = {"Content-Type": content_type, **({"Content-Encoding": extra["encoding"]} if extra else {})}
-        served = server.post("/predictions/tiny", body, headers=headers)
-        expected = _in_process(reference["tiny"], body, content_type, **extra)
-        assert (served.status_code, served.content) == expected, body
-        if served.status_code == 400:
-            assert served.json()["field"], served.text
 
 
 def test_v2_json_binary_and_triton_clients(server, store, reference, tiny_spec):
@@ -220,27 +117,23 @@ def test_health_readiness_and_unknown_models(server):
     assert v2_missing.status_code == 404 and "nope" in v2_missing.json()["error"]
 
 
-def test_a_missing_or_wrong_key_is_refused_on_every_keyed_route(server, tiny_spec):
-    body = json.dumps(items_request(tiny_spec, 1, seed=1))
-    calls = [("POST", "/predictions/tiny"), ("POST", "/predictions/tiny/1.0"), ("POST", "/v2/models/tiny/infer"),
-             ("GET", "/v2/models/tiny"), ("GET", "/v2/models/tiny/ready"), ("GET", "/v2/models/tiny/stats"),
-             ("POST", "/predictions/nope")]
-    for method, path in calls:
+def test_a_missing_or_wrong_key_is_refused_on_the_v2_model_routes(server):
+    """The routes TorchServe has not (the inference routes both have: ``test_serving.py``)."""
+    for path in ("/v2/models/tiny", "/v2/models/tiny/ready", "/v2/models/tiny/stats", "/v2/models/nope"):
         for headers in ({}, {"Authorization": "Bearer not-the-key"}, {"Authorization": server.key}):
-            response = requests.request(method, f"{server.url}{path}", data=body, headers=headers, timeout=10)
+            response = requests.get(f"{server.url}{path}", headers=headers, timeout=10)
             assert response.status_code == 400, (path, headers, response.text)
             assert response.json()["type"] == "InvalidKeyException"
             assert "Token Authorization failed" in response.json()["message"]
 
 
-def test_a_body_over_the_limit_is_refused_unread(server, reference):
+def test_a_chunked_body_over_the_limit_is_refused_unread(server):
+    """Its size is not known ahead: the engine reads no further than the limit (a body whose length
+    is known: ``test_serving.py``)."""
     body = b'{"items": [' + b" " * (7 * 2**20) + b"]}"
-    response = server.post("/predictions/tiny", body)
-    assert (response.status_code, response.content) == _in_process(reference["tiny"], body)
-    assert "limits.max_request_bytes" in response.json()["message"]
     chunked = requests.post(f"{server.url}/v2/models/tiny/infer", data=iter([body[:2**20]] * 7),
                             headers={**server.auth, "Content-Type": "application/json"}, timeout=60)
-    assert chunked.status_code == 413  # read no further than the limit: its size is not known
+    assert chunked.status_code == 413
     assert chunked.json()["message"].startswith("body: over the model's limit of 6,291,456 bytes")
     assert server.process.poll() is None
 
@@ -268,19 +161,3 @@ def test_requests_over_the_wait_target_get_a_fast_503(server, tiny_spec):
     # (a latency comparison flaked on a loaded machine: the speed of a 503 is a benchmark's figure)
     forwarded = sum(size * count for size, count in server.stats(GUARDED).items()) - before
     assert forwarded == 1 + len(served), (forwarded, len(served), len(shed))
-
-
-def test_two_worker_processes_serve(store, reference, tiny_spec, tmp_path):
-    server = AsgiServer(store, ["tiny.mar"], 2, tmp_path)
-    try:
-        request = items_request(tiny_spec, 3, seed=21, max_bag=4)
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            answers = list(pool.map(lambda _: server.post("/predictions/tiny", request), range(16)))
-        expected = json.loads(_in_process(reference["tiny"], request)[1])["scores"]
-        assert all(a.status_code == 200 and a.json()["scores"] == pytest.approx(expected, abs=1e-6) for a in answers)
-        deadline = time.monotonic() + 120  # the second process may still be loading
-        while server.log.read_text().count("Application startup complete") < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert server.log.read_text().count("Application startup complete") == 2, server.log.read_text()[-2000:]
-    finally:
-        server.stop()

@@ -1,0 +1,170 @@
+"""The two engines behind one face, for the tests that check serving behaviour on both: TorchServe
+(``LocalTorchServe``, the archives registered through its management API) and the ASGI engine
+(``torchrec-serve serve --engine asgi`` in a subprocess). Each serves the archives of a model
+store on free loopback ports with keys on, ``workers`` processes a model, until ``stop()``.
+
+    server = start_engine("asgi", store, ["tiny.mar"], workers=2, workdir=tmp)
+    server.post("/predictions/tiny", request)           # the inference key sent
+    server.manage("POST", "/freshness/tiny", delta="tiny-1.delta")   # the management key
+    server.counters("tiny").batches                    # {requests in a batch: batches}, all workers
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from archive_tools.local_server import HandlerCounters, LocalTorchServe, free_port
+
+ENGINES = ("torchserve", "asgi")
+
+
+class AsgiServer:
+    """``torchrec-serve serve --engine asgi`` in its own process group, stopped by pid."""
+
+    kind = "asgi"
+
+    def __init__(self, store: Path, archives: list[str], workers: int, workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.key_file = workdir / "keys.json"
+        self.log = workdir / "server.out"
+        command = [sys.executable, "-m", "archive_tools", "serve", "--engine", "asgi", *archives,
+                   "--model-store", str(store), "--port", str(self.port), "--workers", str(workers),
+                   "--key-file", str(self.key_file)]
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_ready(timeout_s=180)
+        except BaseException:
+            self.stop()
+            raise
+        keys = json.loads(self.key_file.read_text())
+        self.key = keys["inference"]["key"]
+        self.auth = {"Authorization": f"Bearer {self.key}"}
+        self.management_auth = {"Authorization": f"Bearer {keys['management']['key']}"}
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"the server exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                if requests.get(f"{self.url}/v2/health/ready", timeout=2).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.25)
+        raise AssertionError(f"not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+
+    @property
+    def management_url(self) -> str:
+        return self.url  # one port serves both
+
+    def post(self, path: str, body: bytes | str | dict, headers: dict | None = None, auth: bool = True) -> requests.Response:
+        return _post(self.url, path, body, self.auth if auth else {}, headers)
+
+    def manage(self, method: str, path: str, **params) -> requests.Response:
+        return requests.request(method, f"{self.url}{path}", params=params, headers=self.management_auth, timeout=150)
+
+    def counters(self, model: str) -> HandlerCounters:
+        return HandlerCounters.from_metrics(requests.get(f"{self.url}/metrics", timeout=10).text, model)
+
+    def stats(self, model: str) -> dict[int, int]:
+        """{requests in a batch: batches}, this process's (the statistics route)."""
+        stats = requests.get(f"{self.url}/v2/models/{model}/stats", headers=self.auth, timeout=10).json()
+        return {b["batch_size"]: b["compute_infer"]["count"] for b in stats["model_stats"][0]["batch_stats"]}
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)  # start_new_session: the group is the server's pid
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+
+
+class TorchServeEngine:
+    """TorchServe with the project's configuration, each archive registered with ``workers`` workers."""
+
+    kind = "torchserve"
+
+    def __init__(self, store: Path, archives: list[str], workers: int) -> None:
+        self.server = LocalTorchServe(model_store=store)
+        self.server.start()
+        try:
+            for archive in archives:
+                registered = self.server.register(archive, initial_workers=workers)
+                assert registered.status_code == 200, registered.text
+        except BaseException:
+            self.server.stop()
+            raise
+        self.url = self.server.inference_url
+        self.management_url = self.server.management_url
+
+    @property
+    def key(self) -> str:
+        return self.auth["Authorization"].removeprefix("Bearer ")
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return self.server.auth("inference")
+
+    def post(self, path: str, body: bytes | str | dict, headers: dict | None = None, auth: bool = True) -> requests.Response:
+        return _post(self.url, path, body, self.auth if auth else {}, headers)
+
+    def manage(self, method: str, path: str, **params) -> requests.Response:
+        return self.server.management(method, path, params=params, timeout=150)
+
+    def counters(self, model: str) -> HandlerCounters:
+        return self.server.handler_counters(model)
+
+    def alive(self) -> bool:
+        return self.server.process is not None and self.server.process.poll() is None
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+Engine = AsgiServer | TorchServeEngine
+
+
+def start_engine(kind: str, store: Path, archives: list[str], workers: int, workdir: Path) -> Engine:
+    if kind == "asgi":
+        return AsgiServer(store, archives, workers, workdir)
+    assert kind == "torchserve", kind
+    return TorchServeEngine(store, archives, workers)
+
+
+def worker_pids(server: Engine, model: str) -> list[int]:
+    """The pids of the processes serving ``model`` (its describe call, on either engine)."""
+    described = server.manage("GET", f"/models/{model}")
+    assert described.status_code == 200, described.text
+    return sorted(w["pid"] for w in described.json()[0]["workers"] if w.get("pid"))
+
+
+def serving_processes(server: Engine, model: str, count: int, timeout_s: float = 120) -> list[int]:
+    """The pids of ``model``'s processes once there are ``count`` of them (a process restarting,
+    or still loading, is not one)."""
+    deadline = time.monotonic() + timeout_s
+    while len(pids := worker_pids(server, model)) != count:
+        assert time.monotonic() < deadline, f"not {count} processes in {timeout_s} s: {pids}"
+        time.sleep(0.25)
+    return pids
+
+
+def _post(url: str, path: str, body: bytes | str | dict, auth: dict, headers: dict | None) -> requests.Response:
+    data = json.dumps(body) if isinstance(body, dict) else body
+    sent = {"Content-Type": "application/json", **auth, **(headers or {})}
+    return requests.post(f"{url}{path}", data=data, headers=sent, timeout=60)
