@@ -7,25 +7,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
-import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from archive_tools.build import build_archive
 from archive_tools.model_config import ServingConfig
-from archive_tools.delta import DeltaSource, make_delta, served_rows
+from archive_tools.delta import DeltaSource, make_delta
 from archive_tools.local_server import LocalTorchServe
 from benchmarks.load import BackgroundLoad
 from benchmarks.traffic import TrafficModel
 from handlers.modeling.registry import load_spec
 from handlers.runtime.artifacts import Artifact
-from handlers.runtime.freshness.delta_file import DeltaWriter
-from handlers.runtime.freshness.layout import TablesLayout
 from handlers.runtime.freshness.shared_tables import ROOTS, sweep
 from tests.conftest import TINY_SPEC
 from tests.helpers import archive_service, items_request
@@ -276,53 +270,6 @@ def test_a_rollback_restores_the_rows_and_the_log_continues_from_there(setup, se
     assert again.status_code == 200 and not again.json()["duplicate"], again.text
     _applied(server, model, 1)
     assert _served(server, model) == pytest.approx(setup["expected"]["new"], abs=1e-6)
-
-
-def test_no_response_mixes_two_versions_of_a_row(setup, server, tmp_path):
-    """Every row of t_user flips between two patterns, delta after delta, while requests whose
-    score depends on one t_user row alone keep coming: each score must be one of the two."""
-    model = "tiny_torn"
-    assert server.register("tiny_eager.mar", model_name=model).status_code == 200
-    layout = TablesLayout.load(_unpacked_folder(setup, tmp_path))
-    table = layout.table("t_user")
-    patterns = [20 * torch.linspace(-1, 1, table.dim), 20 * torch.linspace(0.9, -0.7, table.dim)]
-    rows = [np.repeat(served_rows(p[None, :], table), table.rows, axis=0) for p in patterns]
-    ids = np.arange(table.rows)
-
-    def publish(sequence: int) -> None:
-        name = f"torn-{sequence}.delta"
-        with DeltaWriter(setup["deltas"] / name, model=model, base=layout.fingerprint, sequence=sequence) as out:
-            out.add(table, ids, rows[sequence % 2])
-        assert _publish(server, model, name).status_code == 200
-        _applied(server, model, sequence)
-
-    request = {"items": [{"dense": [0.1, 0.2, 0.3, 0.4], "sparse": {"user_id": [17]}}]}
-    expected = []
-    for sequence in (1, 2):
-        publish(sequence)
-        expected.append(server.predict(model, request).json()["scores"][0])
-    assert abs(expected[0] - expected[1]) > 1e-4  # scores apart; a mixed row scores neither
-    scores, stop = [], threading.Event()
-
-    def score() -> None:
-        while not stop.is_set():
-            scores.append(server.predict(model, request).json()["scores"][0])
-
-    sender = threading.Thread(target=score)
-    sender.start()
-    for sequence in range(3, 23):
-        publish(sequence)
-    stop.set()
-    sender.join()
-    assert len(scores) > 20
-    torn = [s for s in scores if min(abs(s - e) for e in expected) > 1e-6]
-    assert not torn, torn[:5]
-
-
-def _unpacked_folder(setup, tmp_path) -> Path:
-    with zipfile.ZipFile(setup["store"] / "tiny_eager.mar") as z:
-        z.extractall(tmp_path / "unpacked")
-    return tmp_path / "unpacked"
 
 
 def test_workers_killed_during_an_apply_resume_it(setup, server, tmp_path):

@@ -12,28 +12,33 @@ import gzip
 import json
 import os
 import signal
+import threading
 import time
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import requests
 import torch
 
 from archive_tools.build import build_archive
-from archive_tools.delta import DeltaSource, make_delta
+from archive_tools.delta import DeltaSource, make_delta, served_rows
 from archive_tools.local_server import HandlerCounters
 from archive_tools.model_config import ServingConfig
 from archive_tools.verification import Bounds
 from benchmarks.load import BackgroundLoad
 from benchmarks.traffic import TrafficModel
 from handlers.runtime.artifacts import Artifact
+from handlers.runtime.freshness.delta_file import DeltaWriter
+from handlers.runtime.freshness.layout import TablesLayout
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.transport import Arrival
 from tests.conftest import TINY_SPEC
 from tests.handlers.runtime.test_decode import BAD_REQUESTS
 from tests.helpers import QUANTIZATION_TOLERANCE, archive_service, float_scores, items_request
 from tests.integration.engines import ENGINES, Engine, serving_processes, start_engine, worker_pids
-from tests.integration.publishing_archives import checkpoints
+from tests.integration.publishing_archives import checkpoints, newer_dense
 
 pytestmark = pytest.mark.integration
 
@@ -57,9 +62,15 @@ def store(tmp_path_factory) -> dict:
                           serving=SERVING, artifact=Artifact.EAGER)
     (store / "deltas").mkdir()
     make_delta(store / "tiny.mar", DeltaSource(checkpoint=newer), store / "deltas" / "tiny-1.delta", sequence=1)
+    newest = newer_dense(newer)  # its dense layers trained further too: a delta of rows and dense weights
+    make_delta(store / "tiny.mar", DeltaSource(checkpoint=newest, dense=newest), store / "deltas" / "dense-1.delta", sequence=1)
+    fresh_dense = build_archive(TINY_SPEC, checkpoint=newest, seed=0, name="tiny", version="1.0",
+                                model_store=root / "fresh_dense", serving=SERVING)
     services = {"tiny": archive_service(store / "tiny.mar"), "tiny_folder": archive_service(store / "tiny_folder"),
-                "fresh": archive_service(fresh)}
-    return {"store": store, "services": services}
+                "fresh": archive_service(fresh), "fresh_dense": archive_service(fresh_dense)}
+    with zipfile.ZipFile(store / "tiny.mar") as archive:
+        archive.extractall(root / "unpacked")
+    return {"store": store, "services": services, "layout": TablesLayout.load(root / "unpacked")}
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -82,32 +93,16 @@ def _in_process(service: ScoringService, body: bytes | str | dict, content_type:
     return response.status, response.body
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny_folder"])
-def test_scores_are_the_in_process_service_s_and_the_float_model_s(engine, store, tiny_spec, tiny_float_model, model):
-    """Byte for byte the archive's answer in process; within the quantization tolerance the float
-    TorchRec model's (inputs made without the serving decoder; tiny.mar was built from its
-    weights, the base checkpoint)."""
-    service = store["services"][model]
-    for n, seed in ((1, 1), (5, 2), (100, 3)):
-        request = items_request(tiny_spec, n, seed=seed, max_bag=5, return_logits=True)
-        served = engine.post(f"/predictions/{model}", request)
-        assert (served.status_code, served.content) == _in_process(service, request)
-        assert served.headers["content-type"].startswith("application/json")
-        assert engine.post(f"/predictions/{model}/1.0", request).content == served.content
-        if model == "tiny":
-            floats = float_scores(tiny_float_model, tiny_spec, request)
-            torch.testing.assert_close(torch.tensor(served.json()["scores"]), floats, atol=QUANTIZATION_TOLERANCE, rtol=0)
-
-
 def test_concurrent_requests_are_batched_and_score_as_alone(engine, tiny_spec):
     """Batches formed of several requests (the handler's counters on the engine's metrics
-    endpoint: every request counted once), each request's scores its solo scores."""
+    endpoint, every request counted once; it runs first, so that they count nothing else), each
+    request's scores its solo scores."""
     requests_ = [
         items_request(tiny_spec, n_items, seed=100 + i, max_bag=bag)
         for i, (n_items, bag) in enumerate([(1, 0), (3, 7), (1, 20), (17, 2), (2, 50), (8, 1)] * 4)
     ]
     alone = [engine.post("/predictions/tiny", r).json()["scores"] for r in requests_]
-    before = engine.counters("tiny")
+    before = _counted(engine, "tiny", HandlerCounters({}, 0, 0), len(requests_))  # the module's first requests
     with ThreadPoolExecutor(max_workers=len(requests_)) as pool:
         together = list(pool.map(lambda r: engine.post("/predictions/tiny", r), requests_))
     for response, solo in zip(together, alone):
@@ -126,6 +121,23 @@ def _counted(engine: Engine, model: str, before: HandlerCounters, count: int, ti
         assert formed.requests < count and time.monotonic() < deadline, f"not {count} requests counted: {formed}"
         time.sleep(0.2)
     return formed
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_folder"])
+def test_scores_are_the_in_process_service_s_and_the_float_model_s(engine, store, tiny_spec, tiny_float_model, model):
+    """Byte for byte the archive's answer in process; within the quantization tolerance the float
+    TorchRec model's (inputs made without the serving decoder; tiny.mar was built from its
+    weights, the base checkpoint)."""
+    service = store["services"][model]
+    for n, seed in ((1, 1), (5, 2), (100, 3)):
+        request = items_request(tiny_spec, n, seed=seed, max_bag=5, return_logits=True)
+        served = engine.post(f"/predictions/{model}", request)
+        assert (served.status_code, served.content) == _in_process(service, request)
+        assert served.headers["content-type"].startswith("application/json")
+        assert engine.post(f"/predictions/{model}/1.0", request).content == served.content
+        if model == "tiny":
+            floats = float_scores(tiny_float_model, tiny_spec, request)
+            torch.testing.assert_close(torch.tensor(served.json()["scores"]), floats, atol=QUANTIZATION_TOLERANCE, rtol=0)
 
 
 def test_bad_input_is_a_400_naming_the_field_and_spares_the_batch(engine, store, tiny_spec):
@@ -195,36 +207,107 @@ def _freshness_when(engine: Engine, done, timeout_s: float = 30) -> dict:
     return state
 
 
-def test_a_delta_published_under_load_reaches_every_worker_with_no_failed_request(engine, store, tiny_spec):
-    """Rows published while an open loop runs: every request answered 200; then every process
-    serves a fresh build's scores; a rollback brings the base's back."""
-    checks = [items_request(tiny_spec, 4, seed=s, max_bag=3) for s in range(4)]
-    expected = {version: [_in_process(store["services"][service], r)[1] for r in checks]
-                for version, service in (("old", "tiny"), ("new", "fresh"))}
+CHECKS = 4  # requests whose scores each delta test compares, on every process
 
-    def served_everywhere() -> list[bytes]:  # each request three times: either process may answer
-        answers = [[engine.post("/predictions/tiny", r) for _ in range(3)] for r in checks]
-        assert all(len({a.content for a in sent}) == 1 for sent in answers), [[a.text for a in s] for s in answers]
-        return [sent[0].content for sent in answers]
 
-    assert served_everywhere() == expected["old"]
+def _expected(store: dict, service: str, tiny_spec) -> list[bytes]:
+    checks = [items_request(tiny_spec, 4, seed=s, max_bag=3) for s in range(CHECKS)]
+    return [_in_process(store["services"][service], r)[1] for r in checks]
+
+
+def _served_everywhere(engine: Engine, tiny_spec) -> list[bytes]:
+    """The answers to the check requests, each sent three times (either process may answer): the
+    same bytes each time."""
+    checks = [items_request(tiny_spec, 4, seed=s, max_bag=3) for s in range(CHECKS)]
+    answers = [[engine.post("/predictions/tiny", r) for _ in range(3)] for r in checks]
+    assert all(len({a.content for a in sent}) == 1 for sent in answers), [[a.text for a in s] for s in answers]
+    return [sent[0].content for sent in answers]
+
+
+def _published_under_load(engine: Engine, tiny_spec, delta: str, done) -> dict:
+    """``delta`` published while an open loop runs; the state once ``done(state)``; every request 200."""
     traffic = TrafficModel(items_per_request=1).generate(tiny_spec, 64, seed=1)
     with BackgroundLoad(f"{engine.url}/predictions/tiny", engine.auth, traffic, rate=60) as load:
         time.sleep(0.5)
-        published = engine.manage("POST", "/freshness/tiny", delta="tiny-1.delta")
+        published = engine.manage("POST", "/freshness/tiny", delta=delta)
         assert published.status_code == 200, published.text
         assert published.json()["sequence"] == 1 and not published.json()["duplicate"]
-        state = _freshness_when(engine, lambda s: s["applied_sequence"] == 1)
+        state = _freshness_when(engine, done)
         time.sleep(0.3)
     assert load.result.statuses == {"200": load.result.requests}, load.result.statuses
-    assert state["log_head"] == 1 and state["rows_applied"] > 0
-    assert len(state["workers"]) == WORKERS and all(w["applied_sequence"] == 1 for w in state["workers"]), state
-    assert served_everywhere() == expected["new"]
+    return state
 
+
+def _rolled_back(engine: Engine) -> dict:
     rolled = engine.manage("POST", "/freshness/tiny", rollback_to=0)
     assert rolled.status_code == 200, rolled.text
-    _freshness_when(engine, lambda s: s["applied_sequence"] == 0 and s.get("rolling_back_to") is None)
-    assert served_everywhere() == expected["old"]
+    return _freshness_when(engine, lambda s: s["applied_sequence"] == 0 and s.get("rolling_back_to") is None
+                           and all(w["dense_sequence"] == 0 for w in s["workers"]))
+
+
+def test_a_delta_published_under_load_reaches_every_worker_with_no_failed_request(engine, store, tiny_spec):
+    """Rows published while an open loop runs: every request answered 200; then every process
+    serves a fresh build's scores; a rollback brings the base's back."""
+    assert _served_everywhere(engine, tiny_spec) == _expected(store, "tiny", tiny_spec)
+    state = _published_under_load(engine, tiny_spec, "tiny-1.delta", lambda s: s["applied_sequence"] == 1)
+    assert state["log_head"] == 1 and state["rows_applied"] > 0
+    assert len(state["workers"]) == WORKERS and all(w["applied_sequence"] == 1 for w in state["workers"]), state
+    assert _served_everywhere(engine, tiny_spec) == _expected(store, "fresh", tiny_spec)
+    _rolled_back(engine)
+    assert _served_everywhere(engine, tiny_spec) == _expected(store, "tiny", tiny_spec)
+
+
+def test_dense_weights_swap_whole_in_every_worker_with_no_failed_request(engine, store, tiny_spec):
+    """A delta of rows and dense weights: each process swaps its dense layers between forwards;
+    every process then serves a fresh build's scores; a rollback swaps the archive's own back."""
+    state = _published_under_load(engine, tiny_spec, "dense-1.delta",
+                                  lambda s: [w["dense_sequence"] for w in s["workers"]] == [1] * WORKERS)
+    assert all(w["dense_swap_s"] is not None for w in state["workers"]), state
+    assert _served_everywhere(engine, tiny_spec) == _expected(store, "fresh_dense", tiny_spec)
+    _rolled_back(engine)
+    assert _served_everywhere(engine, tiny_spec) == _expected(store, "tiny", tiny_spec)
+
+
+def test_no_response_mixes_two_versions_of_a_row(engine, store):
+    """Every row of t_user flips between two patterns, delta after delta, while requests whose
+    score depends on one t_user row alone keep coming: each score must be one of the two."""
+    layout: TablesLayout = store["layout"]
+    table = layout.table("t_user")
+    patterns = [20 * torch.linspace(-1, 1, table.dim), 20 * torch.linspace(0.9, -0.7, table.dim)]
+    rows = [np.repeat(served_rows(p[None, :], table), table.rows, axis=0) for p in patterns]
+    ids = np.arange(table.rows)
+
+    def publish(sequence: int) -> None:
+        name = f"torn-{engine.kind}-{sequence}.delta"
+        with DeltaWriter(store["store"] / "deltas" / name, model="tiny", base=layout.fingerprint, sequence=sequence) as out:
+            out.add(table, ids, rows[sequence % 2])
+        assert engine.manage("POST", "/freshness/tiny", delta=name).status_code == 200
+        _freshness_when(engine, lambda s: s["applied_sequence"] == sequence)
+
+    request = {"items": [{"dense": [0.1, 0.2, 0.3, 0.4], "sparse": {"user_id": [17]}}]}
+    expected = []
+    for sequence in (1, 2):
+        publish(sequence)
+        expected.append(_scores(engine.post("/predictions/tiny", request))[0])
+    assert abs(expected[0] - expected[1]) > 1e-4  # scores apart; a mixed row scores neither
+    scores, stop = [], threading.Event()
+
+    def score() -> None:
+        while not stop.is_set():
+            scores.append(_scores(engine.post("/predictions/tiny", request))[0])
+
+    senders = [threading.Thread(target=score) for _ in range(WORKERS)]  # both processes read while rows change
+    for sender in senders:
+        sender.start()
+    for sequence in range(3, 23):
+        publish(sequence)
+    stop.set()
+    for sender in senders:
+        sender.join()
+    assert len(scores) > 20
+    torn = [s for s in scores if min(abs(s - e) for e in expected) > 1e-6]
+    assert not torn, torn[:5]
+    _rolled_back(engine)
 
 
 def test_a_killed_worker_is_replaced_and_only_its_requests_fail(engine, tiny_spec):
