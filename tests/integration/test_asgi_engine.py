@@ -2,29 +2,27 @@
 subprocess on a free loopback port, serving the archives as built, checked against the same
 archives loaded in this process (``tests.helpers.archive_service``): the same answers, byte for
 byte; batches scored as alone; the v2 protocol for the project's client and Triton's; keys;
-413; admission's 503s. One server for the module (one process), one more for ``--workers 2``.
+413; admission's 503s. One server for the module (one process), one more for ``--workers 2``
+(whose processes share the gRPC port too; the gRPC service itself: test_asgi_grpc.py).
 """
 
 from __future__ import annotations
 
 import gzip
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import requests
+import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton
 
 from archive_tools.build import build_archive
 from archive_tools.client import ScoringClient
-from archive_tools.local_server import free_port
 from archive_tools.model_config import ServingConfig
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.transport import Arrival
@@ -32,67 +30,13 @@ from handlers.runtime.wire.v2_headers import HEADER_LENGTH
 from handlers.runtime.wire.v2_tensors import encode_request
 from tests.conftest import TINY_SPEC
 from tests.handlers.runtime.test_decode import BAD_REQUESTS
-from tests.helpers import archive_service, items_request
+from tests.helpers import AsgiServer, archive_service, items_request
 
 pytestmark = pytest.mark.integration
 
 BATCH_SIZE = 8
 MAX_BATCH_DELAY_MS = 50  # long enough that concurrent requests land in one batch
 GUARDED = "tiny_guarded"  # one request per batch, a 1 ms wait target: a second request waiting is shed
-
-
-class AsgiServer:
-    """``torchrec-serve serve --engine asgi`` in its own process group, stopped by pid."""
-
-    def __init__(self, store: Path, archives: list[str], workers: int, workdir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.key_file = workdir / "keys.json"
-        self.log = workdir / "server.out"
-        command = [sys.executable, "-m", "archive_tools", "serve", "--engine", "asgi", *archives,
-                   "--model-store", str(store), "--port", str(self.port), "--workers", str(workers),
-                   "--key-file", str(self.key_file)]
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self._wait_ready(timeout_s=180)
-        except BaseException:
-            self.stop()
-            raise
-        self.key = json.loads(self.key_file.read_text())["inference"]["key"]
-        self.auth = {"Authorization": f"Bearer {self.key}"}
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"the server exited:\n{self.log.read_text()[-3000:]}")
-            try:
-                if requests.get(f"{self.url}/v2/health/ready", timeout=2).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.25)
-        raise AssertionError(f"not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
-
-    def post(self, path: str, body: bytes | str | dict, headers: dict | None = None, auth: bool = True) -> requests.Response:
-        data = json.dumps(body) if isinstance(body, dict) else body
-        sent = {"Content-Type": "application/json", **(self.auth if auth else {}), **(headers or {})}
-        return requests.post(f"{self.url}{path}", data=data, headers=sent, timeout=60)
-
-    def stats(self, model: str) -> dict[int, int]:
-        """{requests in a batch: batches}, this process's (the statistics route)."""
-        stats = requests.get(f"{self.url}/v2/models/{model}/stats", headers=self.auth, timeout=10).json()
-        return {b["batch_size"]: b["compute_infer"]["count"] for b in stats["model_stats"][0]["batch_stats"]}
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # start_new_session: the group is the server's pid
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -282,5 +226,37 @@ def test_two_worker_processes_serve(store, reference, tiny_spec, tmp_path):
         while server.log.read_text().count("Application startup complete") < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert server.log.read_text().count("Application startup complete") == 2, server.log.read_text()[-2000:]
+        client = ScoringClient.from_archive("tiny", store / "tiny.mar", rest_url=server.url, token=server.key)
+        arrays = client.tensors(request["items"])
+        client.close()
+        _grpc_connections_spread(server, arrays, expected)
     finally:
         server.stop()
+
+
+def _grpc_connections_spread(server: AsgiServer, arrays: dict, expected: list[float]) -> None:
+    """Both processes listen on the one gRPC port (SO_REUSEPORT); 16 clients, each on a connection
+    of its own, all scored, are spread over both (all on one: a chance of 2 in 65,536)."""
+    listening = _grpc_owners(server, psutil.CONN_LISTEN)
+    assert len(listening) == 2, listening
+    clients = [triton_grpc.InferenceServerClient(server.grpc_target, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+               for _ in range(16)]
+    try:
+        for client in clients:
+            inputs = []
+            for name, array in arrays.items():
+                tensor = triton_grpc.InferInput(name, list(array.shape), "FP32" if array.dtype == np.float32 else "INT64")
+                tensor.set_data_from_numpy(array)
+                inputs.append(tensor)
+            result = client.infer("tiny", inputs, headers={"authorization": f"Bearer {server.key}"})
+            assert result.as_numpy("scores").tolist() == pytest.approx(expected, abs=1e-6)
+        assert _grpc_owners(server, psutil.CONN_ESTABLISHED) == listening
+    finally:
+        for client in clients:
+            client.close()
+
+
+def _grpc_owners(server: AsgiServer, status: str) -> set[int]:
+    """The processes holding sockets of ``status`` on the server's gRPC port."""
+    return {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == server.grpc_port
+            and c.status == status and c.pid is not None}

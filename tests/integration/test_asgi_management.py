@@ -23,9 +23,8 @@ from benchmarks.load import BackgroundLoad
 from benchmarks.traffic import TrafficModel
 from handlers.runtime.artifacts import Artifact
 from tests.conftest import TINY_SPEC
-from tests.helpers import archive_service
+from tests.helpers import AsgiServer, archive_service
 from tests.integration.publishing_archives import build, checkpoints
-from tests.integration.test_asgi_engine import AsgiServer
 from tests.integration.test_publishing import REQUESTS, SPEC, _scores
 
 pytestmark = pytest.mark.integration

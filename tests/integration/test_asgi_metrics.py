@@ -20,8 +20,7 @@ from archive_tools.local_server import free_port
 from archive_tools.model_config import ServingConfig
 from handlers.runtime.wire.transport import Arrival
 from tests.conftest import TINY_SPEC
-from tests.helpers import archive_service, items_request
-from tests.integration.test_asgi_engine import AsgiServer
+from tests.helpers import AsgiServer, archive_service, items_request
 
 pytestmark = pytest.mark.integration
 
