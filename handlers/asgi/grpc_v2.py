@@ -106,7 +106,8 @@ class InferenceServicer:
     async def model_metadata(self, request: Any) -> Message:
         model = self._model(request.name, request.version)
         versions = [model.version] if request.version else self.models.versions(model.name)
-        return self._reply("ModelMetadataResponse", **model_metadata(model.service.schema, model.name, [v for v in versions if v]))
+        described = model_metadata(model.service.schema, model.name, [v for v in versions if v])
+        return self._reply("ModelMetadataResponse", **described)
 
     async def model_infer(self, request: Any) -> Message:
         model = self._model(request.model_name, request.model_version)

@@ -239,13 +239,14 @@ def _grpc_connections_spread(server: AsgiServer, arrays: dict, expected: list[fl
     of its own, all scored, are spread over both (all on one: a chance of 2 in 65,536)."""
     listening = _grpc_owners(server, psutil.CONN_LISTEN)
     assert len(listening) == 2, listening
-    clients = [triton_grpc.InferenceServerClient(server.grpc_target, channel_args=[("grpc.use_local_subchannel_pool", 1)])
-               for _ in range(16)]
+    own_connection = [("grpc.use_local_subchannel_pool", 1)]  # else channels to one target share one
+    clients = [triton_grpc.InferenceServerClient(server.grpc_target, channel_args=own_connection) for _ in range(16)]
     try:
         for client in clients:
             inputs = []
             for name, array in arrays.items():
-                tensor = triton_grpc.InferInput(name, list(array.shape), "FP32" if array.dtype == np.float32 else "INT64")
+                datatype = "FP32" if array.dtype == np.float32 else "INT64"
+                tensor = triton_grpc.InferInput(name, list(array.shape), datatype)
                 tensor.set_data_from_numpy(array)
                 inputs.append(tensor)
             result = client.infer("tiny", inputs, headers={"authorization": f"Bearer {server.key}"})

@@ -52,7 +52,8 @@ def infer_arrival(request: Any) -> Arrival:
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise BadRequest(
-            "raw_input_contents", f"{len(raw)} entries for {len(request.inputs)} inputs: give one per input, in their order"
+            "raw_input_contents",
+            f"{len(raw)} entries for {len(request.inputs)} inputs: give one per input, in their order",
         )
     tensors = []
     for i, tensor in enumerate(request.inputs):
@@ -61,7 +62,9 @@ def infer_arrival(request: Any) -> Arrival:
         sent: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
         if raw:
             if given:
-                raise BadRequest(f"{field}.contents", "given with raw_input_contents: send each input's values in one of them")
+                raise BadRequest(
+                    f"{field}.contents", "given with raw_input_contents: send each input's values in one of them"
+                )
             sent["parameters"] = {"binary_data_size": len(raw[i])}
         else:
             sent["data"] = _values(field, tensor.datatype, tensor.contents, given)

@@ -60,9 +60,10 @@ def test_a_message_written_by_triton_s_classes_reads_the_same():
     request.parameters["priority"].uint64_param = 3
     read = messages().message("inference.ModelInferRequest").FromString(request.SerializeToString())
     assert (read.model_name, read.model_version, read.id) == ("tiny", "1.0", "r1")
-    assert (read.inputs[0].name, read.inputs[0].datatype, list(read.inputs[0].shape)) == ("dense_features", "FP32", [2, 4])
-    assert list(read.inputs[0].contents.fp32_contents) == [0.5] * 8
-    assert read.inputs[0].parameters["binary_data_size"].int64_param == 32
+    (tensor,) = read.inputs
+    assert (tensor.name, tensor.datatype, list(tensor.shape)) == ("dense_features", "FP32", [2, 4])
+    assert list(tensor.contents.fp32_contents) == [0.5] * 8
+    assert tensor.parameters["binary_data_size"].int64_param == 32
     assert [o.name for o in read.outputs] == ["scores"] and list(read.raw_input_contents) == [b"\x00\x01"]
     assert read.parameters["priority"].uint64_param == 3
     assert read.SerializeToString(deterministic=True) == request.SerializeToString(deterministic=True)
