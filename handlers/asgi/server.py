@@ -21,8 +21,8 @@ from typing import Sequence
 import uvicorn
 
 from handlers.asgi.app import ENGINE_ENV, EngineSettings
-from handlers.asgi.grpc_v2 import check_port_free
 from handlers.asgi.engine_state import EngineState, WantedModel
+from handlers.asgi.grpc_v2 import check_port_free
 from handlers.asgi.metrics import use_directory
 from handlers.asgi.placing import place
 from handlers.runtime.archive_files import MANIFEST
