@@ -15,7 +15,6 @@ import requests
 import torch
 
 from archive_tools.local_server import free_port
-
 from handlers.loading import load_archive
 from handlers.runtime.archive import Archive
 from handlers.modeling.eager import EagerModel
