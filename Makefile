@@ -72,6 +72,7 @@ $(STAMP): pyproject.toml examples/din/pyproject.toml Makefile
 	$(BIN)/pip install --quiet --no-deps kserve==0.21.0  # its SDK's models check examples/kserve (tests/examples); the rest of it would take protobuf<7, psutil<6
 	$(BIN)/torchrec-serve --help > /dev/null
 	$(BIN)/python -c "from handlers.runtime.remote.grpc_stubs import messages; messages()"  # gRPC stubs compile
+	$(BIN)/python -c "from handlers.runtime.wire.v2_grpc import messages; messages()"  # and the Open Inference Protocol's
 	$(BIN)/python -c "import torch, torchrec, fbgemm_gpu, ts; print('torch', torch.__version__, 'torchrec', torchrec.__version__)"
 	touch $@
 

@@ -263,7 +263,7 @@ def _serve(args: argparse.Namespace) -> int:
         from archive_tools.asgi_engine import serve_asgi  # uvicorn and Starlette: for this engine only
 
         return serve_asgi(args)
-    asgi_only = ("workers", "port", "host", "key_file")
+    asgi_only = ("workers", "port", "grpc_port", "host", "key_file")
     given = [f"--{n.replace('_', '-')}" for n in asgi_only if getattr(args, n) is not None]
     if given:
         raise InputError(f"{', '.join(given)}: only with --engine asgi (TorchServe's come from --config)")

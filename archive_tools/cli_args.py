@@ -239,10 +239,16 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--config", type=Path, help="TorchServe config (default: the project's)")
     parser.add_argument(
-        "--free-ports", action="store_true", help="listen on free ports, not the config's (asgi: not --port)"
+        "--free-ports", action="store_true",
+        help="listen on free ports, not the config's (asgi: not --port or --grpc-port)",
     )
     parser.add_argument("--workers", type=int, help="asgi: server processes (default: one per core)")
-    parser.add_argument("--port", type=int, help="asgi: the port of every route (default: 8080)")
+    parser.add_argument("--port", type=int, help="asgi: the port of every HTTP route (default: 8080)")
+    parser.add_argument(
+        "--grpc-port", type=int,
+        help="asgi: the Open Inference Protocol's gRPC service (inference.GRPCInferenceService), every "
+        "process on this port (default: 8081; 0: no gRPC)",
+    )
     parser.add_argument(
         "--host", help="asgi: the address to listen on (default: 127.0.0.1; 0.0.0.0 in a container)"
     )

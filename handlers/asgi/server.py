@@ -1,9 +1,10 @@
 """Running the ASGI engine: the archives of a model store placed once in the engine's state folder
 (``placing.py``: a ``.mar`` unpacked, as TorchServe's frontend unpacks it; a folder linked) and
 named as the wanted state (``engine_state.py``), then uvicorn with ``workers`` processes on one
-port, each loading every model wanted (``app.py``), until SIGINT or SIGTERM. uvicorn's supervisor
-starts a new process in place of one that dies. Their metrics are counted in a directory of the
-run's own (``metrics.use_directory``), removed when it ends.
+port, each loading every model wanted (``app.py``) and serving gRPC on ``settings.grpc_port``
+where one is given (checked free first: the processes share it, ``grpc_v2.py``), until SIGINT or
+SIGTERM. uvicorn's supervisor starts a new process in place of one that dies. Their metrics are
+counted in a directory of the run's own (``metrics.use_directory``), removed when it ends.
 
     with ServedArchives(Path("model_store"), ["tiny.mar"]) as state_dir:
         run(EngineSettings((), Path("keys.json"), Path("model_store"), state_dir), host="127.0.0.1", port=8080, workers=4)
@@ -21,6 +22,7 @@ import uvicorn
 
 from handlers.asgi.app import ENGINE_ENV, EngineSettings
 from handlers.asgi.engine_state import EngineState, WantedModel
+from handlers.asgi.grpc_v2 import check_port_free
 from handlers.asgi.metrics import use_directory
 from handlers.asgi.placing import place
 from handlers.runtime.archive_files import MANIFEST
@@ -58,6 +60,8 @@ class ServedArchives:
 
 def run(settings: EngineSettings, host: str, port: int, workers: int) -> None:
     """Serves until a signal stops every process (uvicorn's own handling of SIGINT and SIGTERM)."""
+    if settings.grpc_port:
+        check_port_free(settings.grpc_host, settings.grpc_port)
     os.environ[ENGINE_ENV] = settings.to_env()  # read by each worker process
     counts = Path(tempfile.mkdtemp(prefix="torchrec-serve-metrics-"))  # empty: this run's counts only
     use_directory(counts)  # this process's and its workers'

@@ -111,4 +111,4 @@ def test_the_runtimes_args_are_serve_options():
     options, unknown = parser.parse_known_args(entrypoint[2:] + args)
     assert unknown == [], "the ServingRuntime passes options `torchrec-serve serve` does not take"
     assert (options.engine, options.model_store, options.archives) == ("asgi", Path("/mnt/models"), ["criteo.mar"])
-    assert (options.port, options.workers) == (8080, 2)
+    assert (options.port, options.grpc_port, options.workers) == (8080, 8081, 2)  # the image's EXPOSE

@@ -7,7 +7,8 @@ Checked:
   metadata) against kubernetes-validate's strict Kubernetes 1.33 schemas; the Secret whole against
   its schema. A misspelled field, at either level, is refused by name (the tests that break them);
 * that they fit together as KServe pairs them: the InferenceService's runtime, model format and
-  protocol are the ServingRuntime's; the key file the container
+  protocol are the ServingRuntime's (and so are those of its commented gRPC variant, whose port
+  is the engine's --grpc-port); the key file the container
   reads is the Secret's, in the engine's form; the probes ask the
   container's port (8080, where KServe sends requests) for /v2/health/ready and /v2/health/live; the
   runtime serves {{.Name}}.mar from /mnt/models, where KServe puts the storageUri's content.
@@ -108,6 +109,22 @@ def test_the_inference_service_is_given_the_runtime(runtime, service):
     formats = {entry["name"]: entry for entry in runtime["spec"]["supportedModelFormats"]}
     assert formats[model["modelFormat"]["name"]]["autoSelect"] is True
     assert model["protocolVersion"] in runtime["spec"]["protocolVersions"]
+
+
+def test_the_grpc_variant_in_the_comment_is_valid_and_the_runtime_s(runtime, service):
+    """inference_service.yaml's commented lines for gRPC, applied: a valid InferenceService whose
+    protocol the runtime takes, naming the port the engine serves gRPC on."""
+    lines = (KSERVE / "inference_service.yaml").read_text().splitlines()
+    commented = [line.strip().removeprefix("#   ") for line in lines if line.strip().startswith("#   ")]
+    variant = yaml.safe_load("\n".join(commented))
+    assert set(variant) == {"protocolVersion", "ports"}
+    model = service["spec"]["predictor"]["model"]
+    model.update(variant)
+    validate_kserve(service)
+    assert model["protocolVersion"] == "grpc-v2" and model["protocolVersion"] in runtime["spec"]["protocolVersions"]
+    (port,) = model["ports"]
+    (container,) = runtime["spec"]["containers"]
+    assert port["name"] == "h2c" and f"--grpc-port={port['containerPort']}" in container["args"]
 
 
 def test_the_container_reads_its_key_from_the_secret(runtime, secret):

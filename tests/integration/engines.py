@@ -27,18 +27,21 @@ ENGINES = ("torchserve", "asgi")
 
 
 class AsgiServer:
-    """``torchrec-serve serve --engine asgi`` in its own process group, stopped by pid."""
+    """``torchrec-serve serve --engine asgi`` in its own process group, stopped by pid: HTTP on
+    ``url``, gRPC on ``grpc_target`` (free ports: a shared gRPC port would split a server's calls
+    with another's)."""
 
     kind = "asgi"
 
     def __init__(self, store: Path, archives: list[str], workers: int, workdir: Path) -> None:
-        self.port = free_port()
+        self.port, self.grpc_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc_target = f"127.0.0.1:{self.grpc_port}"
         self.key_file = workdir / "keys.json"
         self.log = workdir / "server.out"
         command = [sys.executable, "-m", "archive_tools", "serve", "--engine", "asgi", *archives,
-                   "--model-store", str(store), "--port", str(self.port), "--workers", str(workers),
-                   "--key-file", str(self.key_file)]
+                   "--model-store", str(store), "--port", str(self.port), "--grpc-port", str(self.grpc_port),
+                   "--workers", str(workers), "--key-file", str(self.key_file)]
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:

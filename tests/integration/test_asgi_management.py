@@ -1,16 +1,20 @@
 """The asgi engine's management routes on a real ``--workers 2`` server (a subprocess): models
 registered, versioned and unregistered by archive name in every process; the management key
-alone opens them. (Deltas published under load and a killed process restarted: on both engines,
+alone opens them; both processes take the gRPC port's connections. (Deltas published under load and a killed process restarted: on both engines,
 ``test_serving.py``.)"""
 
 from __future__ import annotations
 
 import shutil
 
+import numpy as np
+import psutil
 import pytest
 import requests
+import tritonclient.grpc as triton_grpc
 
 from archive_tools.build import build_archive
+from archive_tools.client import ScoringClient
 from archive_tools.model_config import ServingConfig
 from handlers.runtime.artifacts import Artifact
 from tests.conftest import TINY_SPEC
@@ -80,3 +84,36 @@ def test_versions_are_registered_defaulted_and_unregistered_in_every_process(set
     gone = [server.post("/predictions/tiny/2.0", REQUESTS[0]).status_code for _ in range(6)]
     assert gone == [404] * 6
     assert _served(server, "/predictions/tiny") == pytest.approx(setup["expected"]["old"], abs=1e-6)
+
+
+def test_both_processes_listen_on_the_grpc_port_and_take_its_connections(setup, server):
+    """The processes share the one gRPC port (SO_REUSEPORT): 16 clients, each on a connection of
+    its own, are all scored, and spread over both processes (all on one: a chance of 2 in 65,536)."""
+    request = REQUESTS[0]
+    expected = setup["expected"]["old"][: len(request["items"])]  # the first request's scores come first
+    client = ScoringClient.from_archive("tiny", setup["store"] / "tiny.mar", rest_url=server.url, token=server.key)
+    arrays = client.tensors(request["items"])
+    client.close()
+    listening = _grpc_owners(server, psutil.CONN_LISTEN)
+    assert len(listening) == 2, listening
+    own_connection = [("grpc.use_local_subchannel_pool", 1)]  # else channels to one target share one
+    clients = [triton_grpc.InferenceServerClient(server.grpc_target, channel_args=own_connection) for _ in range(16)]
+    try:
+        for grpc_client in clients:
+            inputs = []
+            for name, array in arrays.items():
+                tensor = triton_grpc.InferInput(name, list(array.shape), "FP32" if array.dtype == np.float32 else "INT64")
+                tensor.set_data_from_numpy(array)
+                inputs.append(tensor)
+            result = grpc_client.infer("tiny", inputs, headers={"authorization": f"Bearer {server.key}"})
+            assert result.as_numpy("scores").tolist() == pytest.approx(expected, abs=1e-6)
+        assert _grpc_owners(server, psutil.CONN_ESTABLISHED) == listening
+    finally:
+        for grpc_client in clients:
+            grpc_client.close()
+
+
+def _grpc_owners(server: AsgiServer, status: str) -> set[int]:
+    """The processes holding sockets of ``status`` on the server's gRPC port."""
+    return {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == server.grpc_port
+            and c.status == status and c.pid is not None}
