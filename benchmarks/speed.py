@@ -9,7 +9,7 @@ beside its figure) and ``speed.png``:
 
 * the floor: a no-op handler (``benchmarks/noop_handler.py``) behind the same configuration,
   one item per request, once the frontend is warm (``WARM_UP_S`` of no-op traffic first: a
-  fresh JVM answers the first 10-15 s at a third to a half of its pace, and a floor measured
+  fresh JVM answered the first 10 s at a fifth to a half of its later pace, and a floor measured
   then flatters every ratio to it): ``floor_c1_p50_ms`` (batching off, concurrency 1), ``floor_c32_items_per_s``
   and ``floor_c32_p99_ms`` (batch_size 32, 5 ms, concurrency 32), and ``floor_100cand_items_per_s`` (100-candidate JSON
   bodies, answered without work);
