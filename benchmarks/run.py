@@ -112,7 +112,7 @@ def _traffic(
     traffic = {}
     for seed, workload in enumerate(scenario.workloads):
         if workload.name in traces:
-            traffic[workload.name] = Traffic.read_trace(traces[workload.name])
+            traffic[workload.name] = Traffic.read_trace(traces[workload.name], spec.dense_features)
         else:
             traffic[workload.name] = workload.traffic.generate(spec, scenario.pool_requests, seed)
         traffic[workload.name].write_trace(out_dir / "traces" / f"{workload.name}.jsonl")

@@ -7,6 +7,7 @@ multiplicative hash so the hot rows are not all at the start; bag lengths are Po
     traffic = TrafficModel(items_per_request=100).generate(spec, num_requests=500, seed=0)
     traffic.write_trace(Path("trace.jsonl"))          # one request body per line
     Traffic.read_trace(Path("trace.jsonl"))           # the same bodies back
+    traffic.as_example_form(schema)                   # as TorchServe's DLRM example clients send them
 """
 
 from __future__ import annotations
@@ -112,12 +113,33 @@ class Traffic:
             lengths.append(length)
         return Traffic(bodies, list(self.items), lengths)
 
+    def as_example_form(self, schema: InputSchema) -> "Traffic":
+        """The same requests (items-form JSON bodies) in TorchRec's columnar form, as TorchServe's
+        DLRM example clients send them: ``float_features`` flat (D floats per item), the bag
+        lengths feature-major (every item's for feature 0, then feature 1, ...) and the ids in
+        that order. A context model's context goes along as it was."""
+        features = schema.feature_names
+        bodies = []
+        for body in self.bodies:
+            request = orjson.loads(body)
+            items = request.pop("items")
+            bags = [[item["sparse"].get(f, []) for item in items] for f in features]
+            bodies.append(orjson.dumps({
+                "float_features": [x for item in items for x in item["dense"]],
+                "id_list_features.lengths": [len(bag) for feature in bags for bag in feature],
+                "id_list_features.values": [i for feature in bags for bag in feature for i in bag],
+                **request,
+            }))
+        return Traffic(bodies, list(self.items))
+
     def write_trace(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"".join(body + b"\n" for body in self.bodies))
 
     @classmethod
-    def read_trace(cls, path: Path) -> "Traffic":
+    def read_trace(cls, path: Path, dense_features: int | None = None) -> "Traffic":
+        """The trace's bodies; ``dense_features``: the model's D, which counts the items of a
+        columnar body whose ``float_features`` are flat (D numbers per item)."""
         bodies = [line for line in path.read_bytes().splitlines() if line.strip()]
         items = []
         for i, body in enumerate(bodies):
@@ -125,7 +147,13 @@ class Traffic:
             if "items" in request:
                 items.append(len(request["items"]))
             elif "float_features" in request:
-                items.append(len(request["float_features"]))
+                dense = request["float_features"]
+                if dense and not isinstance(dense[0], list):  # flat
+                    if dense_features is None:
+                        raise ValueError(f"{path}:{i + 1}: flat float_features: give the model's dense_features")
+                    items.append(len(dense) // dense_features)
+                else:
+                    items.append(len(dense))
             else:
                 raise ValueError(f"{path}:{i + 1}: neither 'items' nor 'float_features'")
         return cls(bodies=bodies, items=items)

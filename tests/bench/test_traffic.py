@@ -48,3 +48,29 @@ def test_trace_round_trip(tiny_spec, tmp_path):
     traffic.write_trace(tmp_path / "trace.jsonl")
     replayed = Traffic.read_trace(tmp_path / "trace.jsonl")
     assert replayed.bodies == traffic.bodies and replayed.items == traffic.items
+
+
+def test_example_form_holds_the_same_requests_as_the_dlrm_example_sends_them(tiny_spec, ranker_spec, tmp_path):
+    """The example form (flat float_features, lengths and ids feature-major) decodes to exactly
+    the tensors of the items-form bodies it was made from, and a trace of it replays with the
+    right item counts."""
+    for spec in (tiny_spec, ranker_spec):
+        schema = input_schema(spec)
+        traffic = TrafficModel(items_per_request=3, mean_bag=2.0, draw_items=True).generate(spec, 12, seed=5)
+        example = traffic.as_example_form(schema)
+        decoder = RequestDecoder(schema)
+        assert example.items == traffic.items
+        for items_body, example_body in zip(traffic.bodies, example.bodies):
+            sent = orjson.loads(example_body)
+            assert sent.keys() - {"context"} == {"float_features", "id_list_features.lengths", "id_list_features.values"}
+            assert not isinstance(sent["float_features"][0], list)  # flat, as the example's clients send
+            want, got = decoder.decode(items_body).inputs.tensors, decoder.decode(example_body).inputs.tensors
+            for name, tensor in want.items():
+                if hasattr(tensor, "lengths"):
+                    assert got[name].lengths.tolist() == tensor.lengths.tolist()
+                    assert got[name].values.tolist() == tensor.values.tolist()
+                else:
+                    assert got[name].tolist() == tensor.tolist()
+        example.write_trace(tmp_path / f"{spec.name}.jsonl")
+        replayed = Traffic.read_trace(tmp_path / f"{spec.name}.jsonl", spec.dense_features)
+        assert replayed.items == traffic.items

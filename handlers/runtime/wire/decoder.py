@@ -15,9 +15,9 @@ twice in one object (parsers would keep the last silently). An embedding shard (
 output is ``embeddings``) is called by the dense host of its layout and takes v2 tensors only.
 
 A TorchServe batch goes through ``decode_batch``: each request is read alone (JSON, shape, keys),
-and the arrays of consecutive items-form requests are made together, so the numpy calls and the
-value checks are paid once per batch, not once per request (a one-item request's decoding cost
-them half its time).
+and the arrays of consecutive requests of one JSON form (items, or columnar) are made together, so
+the numpy calls and the value checks are paid once per batch, not once per request (a one-item
+request's decoding cost them half its time), and the forward's inputs come as one part.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from handlers.runtime.errors import BadRequest, ServingError
 from handlers.runtime.inputs import InputSchema, Output, RequestInputs
 from handlers.runtime.validation import RequestChecks
-from handlers.runtime.wire.json_columnar import DENSE_KEY, ColumnarDecoder
+from handlers.runtime.wire.json_columnar import DENSE_KEY, ColumnarDecoder, SentColumns
 from handlers.runtime.wire.json_context_ids import CONTEXT_SPARSE_KEY, ContextIdsDecoder
 from handlers.runtime.wire.json_items import ItemsDecoder, SentItems
 from handlers.runtime.wire.json_values import (
@@ -62,9 +62,10 @@ Payload = Union[Arrival, BinaryBody, bytes, bytearray, str, dict, list, None]
 
 
 class _Sent(NamedTuple):
-    """An items-form request read for shape; its arrays are made with its neighbours' (``decode_batch``)."""
+    """A JSON request (items or columnar form) read for shape; its arrays are made with its
+    neighbours' of the same form (``decode_batch``)."""
 
-    items: SentItems
+    items: SentItems | SentColumns
     context: Any  # the context row as sent, for a model with a context input
     context_ids: Any  # its per-request sequences (ContextIdsDecoder.parse), for a model with them
     encoder: JsonEncoder
@@ -105,8 +106,8 @@ class RequestDecoder:
         return DecodedRequest(inputs, sent.encoder, hashed)
 
     def decode_batch(self, payloads: Sequence[Payload], max_items: int) -> DecodedBatch:
-        """A TorchServe batch, each request read alone; consecutive items-form requests get their
-        arrays made together, at most ``max_items`` items to a part. A part whose values hold a
+        """A TorchServe batch, each request read alone; consecutive requests of one JSON form get
+        their arrays made together, at most ``max_items`` items to a part. A part whose values hold a
         refusal is decoded again request by request, so that each gets its own answer."""
         batch = DecodedBatch()
         run: list[tuple[int, _Sent]] = []
@@ -122,7 +123,8 @@ class RequestDecoder:
                 run_items = 0
                 batch.parts.append(DecodedPart([index], sent.inputs, [sent.encoder], sent.hashed_ids))
                 continue
-            if run and run_items + sent.num_items > max_items:
+            other_form = bool(run) and type(sent.items) is not type(run[0][1].items)
+            if run and (run_items + sent.num_items > max_items or other_form):
                 self._add_run(run, batch)
                 run_items = 0
             run.append((index, sent))
@@ -147,7 +149,7 @@ class RequestDecoder:
         run.clear()
 
     def _read(self, payload: Payload) -> "DecodedRequest | _Sent":
-        """The request read: decoded (KServe v2, columnar), or an items-form one read for shape."""
+        """The request read: decoded (KServe v2), or a JSON-form one read for shape."""
         encoder: Any = JsonEncoder()
         try:
             if isinstance(payload, Arrival):
@@ -173,7 +175,8 @@ class RequestDecoder:
                 )
             read = self._read_json(body)
             nested = self._context_sparse_keys(body)
-            refuse_duplicate_keys(payload, len(body) + nested + (read.items.keys if isinstance(read, _Sent) else 0))
+            item_keys = read.items.keys if isinstance(read.items, SentItems) else 0
+            refuse_duplicate_keys(payload, len(body) + nested + item_keys)
             return read
         except ServingError as error:
             raise Rejected(error, encoder) from None
@@ -185,7 +188,7 @@ class RequestDecoder:
         context_ids = body.get(CONTEXT_SPARSE_KEY)
         return len(context_ids) if isinstance(context_ids, dict) else 0
 
-    def _read_json(self, body: dict) -> "DecodedRequest | _Sent":
+    def _read_json(self, body: dict) -> _Sent:
         return_logits = body.get(RETURN_LOGITS_KEY, False)
         if not isinstance(return_logits, bool):
             raise BadRequest(RETURN_LOGITS_KEY, f"must be true or false, got {return_logits!r}")
@@ -201,10 +204,9 @@ class RequestDecoder:
             return _Sent(items, context, context_ids, _JSON_ENCODERS[return_logits, False], len(items.dense))
         if DENSE_KEY in body:
             reject_unknown(body, self._columnar_keys, "")
-            rows = self._columnar.decode(body)
-            tensors, hashed = self._tensors(rows, [context], [context_ids])
+            columns = self._columnar.parse(body)
             encoder = _JSON_ENCODERS[return_logits, True]
-            return DecodedRequest(RequestInputs(rows.dense.shape[0], tensors), encoder, rows.hashed_ids + hashed)
+            return _Sent(columns, context, context_ids, encoder, columns.num_items)
         raise BadRequest(
             "items",
             "required (or the columnar form with float_features and id_list_features, or "
@@ -214,7 +216,9 @@ class RequestDecoder:
 
     def _arrays(self, sent: Sequence[_Sent]) -> tuple[RequestInputs, int]:
         """The inputs of all items of ``sent``, and how many ids the out-of-range policy hashed."""
-        rows = self._items.rows([s.items for s in sent])
+        forms = [s.items for s in sent]  # one form per run
+        reader = self._items if isinstance(forms[0], SentItems) else self._columnar
+        rows = reader.rows(forms)  # type: ignore[arg-type]
         tensors, hashed = self._tensors(rows, [s.context for s in sent], [s.context_ids for s in sent])
         counts = tuple(s.num_items for s in sent)
         return RequestInputs(sum(counts), tensors, counts if len(sent) > 1 else ()), rows.hashed_ids + hashed

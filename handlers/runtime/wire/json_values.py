@@ -75,14 +75,19 @@ def finite_float32s(flat: list[Any], locate: Locate) -> np.ndarray:
 
 def float_rows(rows: list[Any], width: int, field_of: Locate) -> np.ndarray:
     """[n] JSON rows of ``width`` finite numbers -> float32 [n, width]; ``field_of(i)`` names row i."""
+    check_row_shapes(rows, width, field_of)
+    flat = [v for row in rows for v in row]
+    values = finite_float32s(flat, lambda k: f"{field_of(k // width)}[{k % width}]")
+    return values.reshape(len(rows), width)
+
+
+def check_row_shapes(rows: list[Any], width: int, field_of: Locate) -> None:
+    """A ``BadRequest`` at the first of ``rows`` that is not a list of ``width`` values."""
     for i, row in enumerate(rows):
         if not isinstance(row, list):
             raise BadRequest(field_of(i), f"must be a list of {width} numbers, got {json_type(row)}")
         if len(row) != width:
             raise BadRequest(field_of(i), f"must hold {width} numbers, got {len(row)}")
-    flat = [v for row in rows for v in row]
-    values = finite_float32s(flat, lambda k: f"{field_of(k // width)}[{k % width}]")
-    return values.reshape(len(rows), width)
 
 
 def int_array(values: list[Any], locate: Locate) -> np.ndarray:

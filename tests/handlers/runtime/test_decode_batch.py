@@ -1,6 +1,6 @@
-"""A TorchServe batch decoded together (the arrays of consecutive items-form requests made at once)
-answers every request as that request decoded and scored alone: the same scores, and the same
-refusals naming the same fields, whatever else shares its batch."""
+"""A TorchServe batch decoded together (the arrays of consecutive requests of one JSON form, items
+or columnar, made at once) answers every request as that request decoded and scored alone: the
+same scores, and the same refusals naming the same fields, whatever else shares its batch."""
 
 import orjson
 import pytest
@@ -27,6 +27,24 @@ def _limited(spec, max_items):
     return spec.replace(limits=spec.limits.model_copy(update=limits))
 
 
+def columnar_request(schema, request, flat):
+    """An items-form request in TorchRec's columnar form (as TorchServe's DLRM example sends it):
+    dense rows (or ``flat``), lengths and ids feature-major, weights where a bag has them."""
+    items = request["items"]
+    bags = [[item.get("sparse", {}).get(f, []) for item in items] for f in schema.feature_names]
+    ids = [bag["ids"] if isinstance(bag, dict) else bag for feature in bags for bag in feature]
+    body = {key: value for key, value in request.items() if key != "items"}
+    body["float_features"] = [x for item in items for x in item["dense"]] if flat else [item["dense"] for item in items]
+    body["id_list_features.lengths"] = [len(bag) for bag in ids]
+    body["id_list_features.values"] = [i for bag in ids for i in bag]
+    if any(isinstance(bag, dict) for feature in bags for bag in feature):
+        body["id_list_features.weights"] = [
+            w for feature in bags for bag in feature
+            for w in (bag["weights"] if isinstance(bag, dict) else [1.0] * len(bag))
+        ]
+    return body
+
+
 def _pool(spec):
     """Good requests of 1 to 4 items in every wire form, and refusals of every stage."""
     schema = input_schema(spec)
@@ -39,7 +57,13 @@ def _pool(spec):
     unknown = {**good[0], "items": [{**item, "sparse": {"nope": [1]}}]}
     client = ScoringClient(schema.model, schema, rest_url="http://127.0.0.1")
     tensors = BinaryBody(*encode_request(client.tensors(good[2]["items"], good[2].get("context"))))
-    pool = [*good, bad_id, negative, bad_dense, short_dense, unknown, b"{", tensors, orjson.dumps(good[3])]
+    columnar = [columnar_request(schema, request, flat=n % 2 == 0) for n, request in enumerate(good)]
+    bad_columnar_id = {**columnar[1], "id_list_features.values": [10**9] * len(columnar[1]["id_list_features.values"])}
+    unmatched = {**columnar[2], "id_list_features.values": columnar[2]["id_list_features.values"] + [0]}
+    negative_length = {**columnar[0], "id_list_features.lengths": [-1] + columnar[0]["id_list_features.lengths"][1:]}
+    bad_columnar_dense = {**columnar[0], "float_features": ["x"] * spec.dense_features}
+    pool = [*good, bad_id, negative, bad_dense, short_dense, unknown, b"{", tensors, orjson.dumps(good[3]),
+            *columnar, *columnar, bad_columnar_id, unmatched, negative_length, bad_columnar_dense]
     if schema.context is not None:
         pool.append({"items": good[1]["items"]})  # no context row
         pool.append({**good[1], "context": [float("inf")] * schema.context_features})
@@ -106,4 +130,31 @@ def test_consecutive_items_requests_become_one_part_laid_out_as_coalesced(ranker
     client = ScoringClient(schema.model, schema, rest_url="http://127.0.0.1")
     tensors = BinaryBody(*encode_request(client.tensors(requests[1]["items"], requests[1]["context"])))
     split = service_decoder.decode_batch([requests[0], tensors, requests[2]], max_items=4096)
+    assert [p.positions for p in split.parts] == [[0], [1], [2]]
+
+
+def test_consecutive_columnar_requests_become_one_part_laid_out_as_coalesced(ranker_spec):
+    """Columnar requests of 3, 1 and 2 items (rows, flat, rows; weights given and left out) decode
+    to one part whose tensors are exactly the three requests decoded alone and coalesced; an
+    items-form request between them splits the run."""
+    schema = input_schema(ranker_spec)
+    decoder = eager_service(ranker_spec, torch.nn.Identity()).decoder
+    sent = [items_request(ranker_spec, n, seed=10 + n, max_bag=4) for n in (3, 1, 2)]
+    requests = [columnar_request(schema, r, flat=k == 1) for k, r in enumerate(sent)]
+    assert any("id_list_features.weights" in r for r in requests)
+    requests[2].pop("id_list_features.weights", None)
+    batch = decoder.decode_batch(requests, max_items=4096)
+    assert not batch.refused and len(batch.parts) == 1
+    (part,) = batch.parts
+    assert part.positions == [0, 1, 2] and part.inputs.counts == (3, 1, 2)
+    reference = coalesce([decoder.decode(r).inputs for r in requests], schema.tags)
+    together = coalesce([part.inputs], schema.tags)
+    for name, want in reference.items():
+        got = together[name]
+        if isinstance(want, JaggedIds):
+            assert torch.equal(got.lengths, want.lengths) and torch.equal(got.values, want.values)
+            assert torch.equal(got.weights, want.weights)
+        else:
+            assert torch.equal(got, want), name
+    split = decoder.decode_batch([requests[0], sent[1], requests[2]], max_items=4096)
     assert [p.positions for p in split.parts] == [[0], [1], [2]]
