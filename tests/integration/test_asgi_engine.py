@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +20,7 @@ import tritonclient.http as triton
 
 from archive_tools.build import build_archive
 from archive_tools.client import ScoringClient
-from archive_tools.local_server import free_port
+from archive_tools.local_asgi import LocalAsgiServer
 from archive_tools.model_config import ServingConfig
 from handlers.runtime.service import ScoringService
 from handlers.runtime.wire.transport import Arrival
@@ -39,60 +35,6 @@ pytestmark = pytest.mark.integration
 BATCH_SIZE = 8
 MAX_BATCH_DELAY_MS = 50  # long enough that concurrent requests land in one batch
 GUARDED = "tiny_guarded"  # one request per batch, a 1 ms wait target: a second request waiting is shed
-
-
-class AsgiServer:
-    """``torchrec-serve serve --engine asgi`` in its own process group, stopped by pid."""
-
-    def __init__(self, store: Path, archives: list[str], workers: int, workdir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.key_file = workdir / "keys.json"
-        self.log = workdir / "server.out"
-        command = [sys.executable, "-m", "archive_tools", "serve", "--engine", "asgi", *archives,
-                   "--model-store", str(store), "--port", str(self.port), "--workers", str(workers),
-                   "--key-file", str(self.key_file)]
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self._wait_ready(timeout_s=180)
-        except BaseException:
-            self.stop()
-            raise
-        self.key = json.loads(self.key_file.read_text())["inference"]["key"]
-        self.auth = {"Authorization": f"Bearer {self.key}"}
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"the server exited:\n{self.log.read_text()[-3000:]}")
-            try:
-                if requests.get(f"{self.url}/v2/health/ready", timeout=2).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.25)
-        raise AssertionError(f"not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
-
-    def post(self, path: str, body: bytes | str | dict, headers: dict | None = None, auth: bool = True) -> requests.Response:
-        data = json.dumps(body) if isinstance(body, dict) else body
-        sent = {"Content-Type": "application/json", **(self.auth if auth else {}), **(headers or {})}
-        return requests.post(f"{self.url}{path}", data=data, headers=sent, timeout=60)
-
-    def stats(self, model: str) -> dict[int, int]:
-        """{requests in a batch: batches}, this process's (the statistics route)."""
-        stats = requests.get(f"{self.url}/v2/models/{model}/stats", headers=self.auth, timeout=10).json()
-        return {b["batch_size"]: b["compute_infer"]["count"] for b in stats["model_stats"][0]["batch_stats"]}
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # start_new_session: the group is the server's pid
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +52,8 @@ def store(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(store, tmp_path_factory):
-    server = AsgiServer(store, ["tiny.mar", "tiny_folder", f"{GUARDED}.mar"], 1, tmp_path_factory.mktemp("asgi-server"))
-    yield server
-    server.stop()
+    with LocalAsgiServer(store, ["tiny.mar", "tiny_folder", f"{GUARDED}.mar"], 1, tmp_path_factory.mktemp("asgi-server")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -271,8 +212,7 @@ def test_requests_over_the_wait_target_get_a_fast_503(server, tiny_spec):
 
 
 def test_two_worker_processes_serve(store, reference, tiny_spec, tmp_path):
-    server = AsgiServer(store, ["tiny.mar"], 2, tmp_path)
-    try:
+    with LocalAsgiServer(store, ["tiny.mar"], 2, tmp_path) as server:
         request = items_request(tiny_spec, 3, seed=21, max_bag=4)
         with ThreadPoolExecutor(max_workers=8) as pool:
             answers = list(pool.map(lambda _: server.post("/predictions/tiny", request), range(16)))
@@ -282,5 +222,3 @@ def test_two_worker_processes_serve(store, reference, tiny_spec, tmp_path):
         while server.log.read_text().count("Application startup complete") < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert server.log.read_text().count("Application startup complete") == 2, server.log.read_text()[-2000:]
-    finally:
-        server.stop()

@@ -16,12 +16,12 @@ import pytest
 import requests
 
 from archive_tools.build import build_archive
+from archive_tools.local_asgi import LocalAsgiServer
 from archive_tools.local_server import free_port
 from archive_tools.model_config import ServingConfig
 from handlers.runtime.wire.transport import Arrival
 from tests.conftest import TINY_SPEC
 from tests.helpers import archive_service, items_request
-from tests.integration.test_asgi_engine import AsgiServer
 
 pytestmark = pytest.mark.integration
 
@@ -102,8 +102,7 @@ def test_prometheus_scrapes_exact_counts_summed_over_processes(store, tiny_spec,
     good = [items_request(tiny_spec, n, seed=n) for n in (1, 3, 2, 5, 4, 1)]
     reference = archive_service(store / "tiny.mar")
     refused = reference.handle([Arrival(json.dumps(BAD).encode(), "application/json", None, None)])
-    server = AsgiServer(store, ["tiny.mar"], 2, tmp_path)
-    try:
+    with LocalAsgiServer(store, ["tiny.mar"], 2, tmp_path) as server:
         prometheus = Prometheus(f"127.0.0.1:{server.port}", tmp_path)
         try:
             assert requests.get(f"{server.url}/metrics", timeout=10).status_code == 200  # no key
@@ -128,8 +127,6 @@ def test_prometheus_scrapes_exact_counts_summed_over_processes(store, tiny_spec,
                     assert prometheus.query(expr.replace("$model", "tiny")), f"dashboard panel {panel!r}: no data"
         finally:
             prometheus.stop()
-    finally:
-        server.stop()
 
 
 def _dashboard_queries() -> list[tuple[str, str]]:
