@@ -14,12 +14,13 @@ from pathlib import Path
 from archive_tools.local_server import free_port
 from handlers.asgi.app import EngineSettings
 from handlers.asgi.auth import KeyFile
-from handlers.asgi.server import ServedArchives, run
+from handlers.asgi.server import APP, ServedArchives, run
 from handlers.runtime.errors import InputError
 
 
-def serve_asgi(args: argparse.Namespace) -> int:
-    """The archives on the project's own ASGI server (uvicorn), until Ctrl-C or SIGTERM."""
+def serve_asgi(args: argparse.Namespace, app: str = APP) -> int:
+    """The archives on the project's own ASGI server (uvicorn), until Ctrl-C or SIGTERM; ``app``:
+    each process's application factory (``handlers.asgi.server.run``)."""
     if args.config is not None:
         raise InputError(
             "--config: TorchServe's configuration; the asgi engine takes --host, --port, --workers, --key-file"
@@ -37,5 +38,5 @@ def serve_asgi(args: argparse.Namespace) -> int:
     with ServedArchives(store, args.archives) as state_dir:
         print(f"ASGI engine: every route on http://{host}:{port}, {workers} processes")
         print(f"keys (Authorization: Bearer <key>; the management key on /models and /freshness): {key_file}", flush=True)
-        run(EngineSettings((), key_file, store, state_dir), host=host, port=port, workers=workers)
+        run(EngineSettings((), key_file, store, state_dir), host=host, port=port, workers=workers, app=app)
     return 0
