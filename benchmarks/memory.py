@@ -1,10 +1,12 @@
-"""Memory of TorchServe's model workers (RSS and PSS) and of the served tables."""
+"""Memory of TorchServe's model workers (RSS and PSS), of any server process (PSS), and of the
+served tables."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
 import time
+from pathlib import Path
 
 import psutil
 
@@ -46,6 +48,16 @@ def worker_memory(server_pid: int) -> WorkerMemory:
         rss += info.rss
         pss += info.pss
     return WorkerMemory(workers=len(workers), rss_mib=rss / 2**20, pss_mib=pss / 2**20)
+
+
+def pss_mib(pid: int) -> float:
+    """The process's proportional set size (``/proc/PID/smaps_rollup``): each page it maps
+    counted divided by the number of processes that map it, so summed over processes a shared
+    page counts once."""
+    for line in (Path("/proc") / str(pid) / "smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"/proc/{pid}/smaps_rollup: no Pss line")
 
 
 class PeakSampler:
