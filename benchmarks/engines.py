@@ -143,7 +143,8 @@ def run_engines(scenario: EnginesScenario, out_dir: Path) -> dict:
     }
     scored = traffic["one"].bodies[:SCORED_ONE_ITEM] + traffic["cand"].bodies[:SCORED_CANDIDATES]
     progress = tqdm(total=12 + scenario.ts_two_workers, desc=scenario.name, unit="step")
-    results: dict = {"scenario": scenario.name, "spec": spec.name, "load_average_at_start": os.getloadavg()}
+    results: dict = {"scenario": scenario.name, "spec": spec.name, "cpus": len(os.sched_getaffinity(0)),
+                     "load_average_at_start": os.getloadavg()}
     progress.set_postfix_str("building")
     store = out_dir / "model_store"
     batched, unbatched = _build(scenario, spec.name, store)
