@@ -1,7 +1,7 @@
 """The engines scenario: the same archives, requests and points on TorchServe (the default engine)
 and on the project's asgi engine (``torchrec-serve serve --engine asgi``), in one run.
 
-    make bench SCENARIO=engines         # the Criteo-shaped model, compiled (AOTInductor); about 5 min
+    make bench SCENARIO=engines         # the Criteo-shaped model, compiled (AOTInductor); about 6 min
     make bench SCENARIO=engines-smoke   # the tiny model, eager; the test suite runs it
 
 Both engines serve archives built with the project's production settings (``ServingConfig``:
@@ -21,10 +21,16 @@ engine with ``--workers 1``. Closed loops are ``wrk``, one item per request unle
 ``max_score_diff_engines``: the same requests (one-item and 100-candidate) sent to both engines'
 batch-32 model one at a time, the largest absolute score difference. ``asgi_two_process_pss_ratio``:
 the summed PSS (``/proc/PID/smaps_rollup``) of the asgi engine's two processes with ``--workers 2``
-over its one process's with ``--workers 1``, both serving the same archives after the same traffic;
-``ts_two_worker_pss_ratio`` beside it (full scenario): TorchServe's batch-32 model, two workers
-over one. ``cpu``: for every point, the server's processes (cores, the process group's CPU time
-from /proc over the point's wall time) and ``wrk``'s.
+over its one process's with ``--workers 1``, both serving the same archives, measured back to back
+after the same traffic. With ``--workers 1`` uvicorn serves in the CLI's own process, which has
+imported the whole CLI (TorchRec and the build pipeline among it); with two, each worker process
+imports the engine alone, so the one process holds more than a worker and the ratio understates
+what a second process costs. ``ts_two_worker_pss_ratio`` beside it (full scenario): TorchServe's batch-32
+model, two workers over one. ``cpu``: for every point, the server's processes (cores: the process
+group's CPU time from /proc over the point's wall time) and ``wrk``'s.
+
+Every server is started at once (their loads overlap), then measured in turn while the others
+idle; each is stopped once its points are done.
 
 Writes ``engines.json``, ``summary.txt`` (each target beside its figure) and ``engines.png``
 (``benchmarks/engines_report.py``).
