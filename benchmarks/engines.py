@@ -25,7 +25,9 @@ over its one process's with ``--workers 1``, both serving the same archives, mea
 after the same traffic. With ``--workers 1`` uvicorn serves in the CLI's own process, which has
 imported the whole CLI (TorchRec and the build pipeline among it); with two, each worker process
 imports the engine alone, so the one process holds more than a worker and the ratio understates
-what a second process costs. ``ts_two_worker_pss_ratio`` beside it (full scenario): TorchServe's batch-32
+what a second process costs. Beside each process's PSS, its mappings of the tables' working copy
+(``tables``: resident, proportional and private MiB; mapped shared by every process, none of it
+private). ``ts_two_worker_pss_ratio`` beside it (full scenario): TorchServe's batch-32
 model, two workers over one. ``cpu``: for every point, the server's processes (cores: the process
 group's CPU time from /proc over the point's wall time) and ``wrk``'s.
 
@@ -58,12 +60,13 @@ from benchmarks import engines_report
 from benchmarks import asgi_floor
 from benchmarks.building import NOOP, build, build_noop
 from benchmarks.load import run_closed_loop
-from benchmarks.memory import pss_mib
+from benchmarks.memory import mapped_mib, pss_mib
 from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS
 from benchmarks.traffic import Traffic, TrafficModel
 from benchmarks.worker_cpu import group_cpu_s
 from benchmarks.wrk import run_wrk
 from handlers.modeling.registry import load_spec
+from handlers.runtime.freshness.shared_tables import ROOTS
 
 BATCH_SIZE = ServingConfig.batch_size
 MAX_BATCH_DELAY_MS = ServingConfig.max_batch_delay_ms
@@ -255,10 +258,11 @@ def _scores(side: _Side, model: str, bodies: list[bytes]) -> list[float]:
 
 def _pss_after_traffic(points: _Points, side: _Side, model: str, traffic: Traffic, pids: list[int]) -> dict:
     """The processes' PSS (MiB), each and summed, after the warm-up traffic at concurrency 32
-    (spread over the processes' connections)."""
+    (spread over the processes' connections); and each one's mappings of the tables' working
+    copies (``tables``: rss, pss, private MiB; shared between processes, none of it is private)."""
     points.warm(side, model, traffic, CONCURRENCY)
     each = [pss_mib(pid) for pid in pids]
-    return {"processes": len(pids), "each": each, "total": sum(each)}
+    return {"processes": len(pids), "each": each, "total": sum(each), "tables": [mapped_mib(pid, ROOTS) for pid in pids]}
 
 
 def _ts_two_workers(server: LocalTorchServe, points: _Points, side: _Side, model: str, traffic: Traffic) -> dict:

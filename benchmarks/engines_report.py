@@ -49,7 +49,8 @@ def summary(results: dict) -> str:
     for label, key in (("asgi", "asgi_pss_mib"), ("TorchServe", "ts_pss_mib")):
         for count, measured in results.get(key, {}).items():
             each = " + ".join(f"{mib:,.0f}" for mib in measured["each"])
-            lines.append(f"  {label}, {count.replace('_', ' ')}: {each} = {measured['total']:,.0f}")
+            tables = "; ".join(f"rss {t['rss']:,.0f}, pss {t['pss']:,.0f}, private {t['private']:,.0f}" for t in measured["tables"])
+            lines.append(f"  {label}, {count.replace('_', ' ')}: {each} = {measured['total']:,.0f} (the tables' copies: {tables})")
     lines.append("cpu per point (cores: the server's processes, the client's; * the client saturated):")
     for point, cpu in results["cpu"].items():
         mark = "*" if cpu["client_saturated"] else " "

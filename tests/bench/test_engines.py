@@ -38,6 +38,8 @@ def test_engines_smoke_scenario_reports_both_engines(tmp_path):
     assert figures["max_score_diff_engines"] <= 1e-6
     pss = figures["asgi_pss_mib"]
     assert (pss["one_process"]["processes"], pss["two_processes"]["processes"]) == (1, 2)
+    assert [len(pss[n]["tables"]) for n in ("one_process", "two_processes")] == [1, 2]
+    assert all(0 <= t["private"] <= t["rss"] for n in ("one_process", "two_processes") for t in pss[n]["tables"])
     # a second process holds more than nothing, and at most a second copy of everything (2; slack
     # for what each process allocates while serving)
     assert 1.0 < figures["asgi_two_process_pss_ratio"] < 2.5
