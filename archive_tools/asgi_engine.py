@@ -15,15 +15,16 @@ from pathlib import Path
 from archive_tools.local_server import free_port
 from handlers.asgi.app import EngineSettings
 from handlers.asgi.auth import KeyFile
-from handlers.asgi.server import ServedArchives, run
+from handlers.asgi.server import APP, ServedArchives, run
 from handlers.runtime.errors import InputError
 
 DEFAULT_PORT = 8080  # KServe's: where it sends a predictor's HTTP requests
 DEFAULT_GRPC_PORT = 8081  # and where its runtimes take gRPC
 
 
-def serve_asgi(args: argparse.Namespace) -> int:
-    """The archives on the project's own ASGI server (uvicorn), until Ctrl-C or SIGTERM."""
+def serve_asgi(args: argparse.Namespace, app: str = APP) -> int:
+    """The archives on the project's own ASGI server (uvicorn), until Ctrl-C or SIGTERM; ``app``:
+    each process's application factory (``handlers.asgi.server.run``)."""
     if args.config is not None:
         raise InputError(
             "--config: TorchServe's configuration; the asgi engine takes --host, --port, --grpc-port, --workers, "
@@ -50,5 +51,5 @@ def serve_asgi(args: argparse.Namespace) -> int:
         print(f"ASGI engine: every HTTP route on http://{host}:{port}{grpc}, {workers} processes")
         print(f"keys (Authorization: Bearer <key>; the management key on /models and /freshness): {key_file}", flush=True)
         settings = EngineSettings((), key_file, store, state_dir, grpc_host=host, grpc_port=grpc_port)
-        run(settings, host=host, port=port, workers=workers)
+        run(settings, host=host, port=port, workers=workers, app=app)
     return 0

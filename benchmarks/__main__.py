@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.distributed import DISTRIBUTED_SCENARIOS, run_distributed
+from benchmarks.engines import ENGINES_SCENARIOS, run_engines
 from benchmarks.plan import PLAN_SCENARIOS, run_plan
 from benchmarks.raw_ids import RAW_IDS_SCENARIOS, run_raw_ids
 from benchmarks.freshness import FRESHNESS_SCENARIOS, run_freshness
@@ -24,7 +25,7 @@ from benchmarks.speed import SPEED_SCENARIOS, run_speed
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
-    parser.add_argument("scenario", choices=sorted({*SCENARIOS, *SPEED_SCENARIOS, *RELIABILITY_SCENARIOS, *FRESHNESS_SCENARIOS, *DISTRIBUTED_SCENARIOS, *SEQUENCE_SCENARIOS, *PLAN_SCENARIOS, *RAW_IDS_SCENARIOS}))
+    parser.add_argument("scenario", choices=sorted({*SCENARIOS, *SPEED_SCENARIOS, *RELIABILITY_SCENARIOS, *FRESHNESS_SCENARIOS, *DISTRIBUTED_SCENARIOS, *SEQUENCE_SCENARIOS, *PLAN_SCENARIOS, *RAW_IDS_SCENARIOS, *ENGINES_SCENARIOS}))
     parser.add_argument("--out", type=Path, help="output folder")
     parser.add_argument(
         "--trace",
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "benchmarks" / "results" / args.scenario
     if args.scenario in SPEED_SCENARIOS:
         run_speed(SPEED_SCENARIOS[args.scenario], out)
+    elif args.scenario in ENGINES_SCENARIOS:
+        run_engines(ENGINES_SCENARIOS[args.scenario], out)
     elif args.scenario in RELIABILITY_SCENARIOS:
         run_reliability(RELIABILITY_SCENARIOS[args.scenario], out)
     elif args.scenario in FRESHNESS_SCENARIOS:

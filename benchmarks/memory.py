@@ -1,10 +1,14 @@
-"""Memory of TorchServe's model workers (RSS and PSS) and of the served tables."""
+"""Memory of TorchServe's model workers (RSS and PSS), of any server process (PSS), and of the
+served tables."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
+from pathlib import Path
+from typing import Sequence
 
 import psutil
 
@@ -46,6 +50,38 @@ def worker_memory(server_pid: int) -> WorkerMemory:
         rss += info.rss
         pss += info.pss
     return WorkerMemory(workers=len(workers), rss_mib=rss / 2**20, pss_mib=pss / 2**20)
+
+
+def pss_mib(pid: int) -> float:
+    """The process's proportional set size (``/proc/PID/smaps_rollup``): each page it maps
+    counted divided by the number of processes that map it, so summed over processes a shared
+    page counts once."""
+    for line in (Path("/proc") / str(pid) / "smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"/proc/{pid}/smaps_rollup: no Pss line")
+
+
+_MAPPING = re.compile(rb"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s*(.*)$")
+
+
+def mapped_mib(pid: int, folders: Sequence[Path]) -> dict[str, float]:
+    """The process's mappings of files under ``folders``, summed from ``/proc/PID/smaps``:
+    resident (``rss``), proportional (``pss``) and private MiB. A file every process maps
+    shared is all ``rss`` and no ``private``."""
+    prefixes = tuple(str(folder).encode() + b"/" for folder in folders)
+    sums = {"rss": 0, "pss": 0, "private": 0}
+    counted = False
+    for line in (Path("/proc") / str(pid) / "smaps").read_bytes().splitlines():
+        header = _MAPPING.match(line)
+        if header is not None:
+            counted = header.group(1).startswith(prefixes)
+        elif counted:
+            key, _, value = line.partition(b":")
+            field = {b"Rss": "rss", b"Pss": "pss", b"Private_Clean": "private", b"Private_Dirty": "private"}.get(key)
+            if field is not None:
+                sums[field] += int(value.split()[0])  # kB
+    return {field: kb / 1024 for field, kb in sums.items()}
 
 
 class PeakSampler:

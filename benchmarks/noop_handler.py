@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_ANSWER = b'{"scores":[0.5]}'
+ANSWER = b'{"scores":[0.5]}'
 
 
 class NoopHandler:
@@ -15,4 +15,4 @@ class NoopHandler:
         self.initialized = True
 
     def handle(self, data: list[Any], context: Any) -> list[bytes]:
-        return [_ANSWER] * len(data)
+        return [ANSWER] * len(data)

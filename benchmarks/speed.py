@@ -47,8 +47,6 @@ beside its figure) and ``speed.png``:
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -61,7 +59,7 @@ from tqdm import tqdm  # noqa: E402
 
 from archive_tools.local_server import HandlerCounters, LocalTorchServe  # noqa: E402
 from archive_tools.model_config import ServingConfig  # noqa: E402
-from benchmarks.building import build  # noqa: E402
+from benchmarks.building import NOOP, build, build_noop  # noqa: E402
 from benchmarks.inprocess import CeilingProcess, frame_read_us_per_request  # noqa: E402
 from benchmarks.load import LoadResult, run_closed_loop_grpc  # noqa: E402
 from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS  # noqa: E402
@@ -71,7 +69,6 @@ from benchmarks.wrk import run_wrk  # noqa: E402
 from handlers.modeling.registry import input_schema, load_spec  # noqa: E402
 from handlers.runtime.wire.decoder import RequestDecoder  # noqa: E402
 
-NOOP_HANDLER = Path(__file__).resolve().parent / "noop_handler.py"
 TUNED_EXAMPLE_P99_MS = 23.0
 WARM_UP_S = 20.0  # no-op traffic at c=32 before the floor: the JVM's compilers settle in 15-20 s here
 
@@ -171,17 +168,17 @@ class _Points:
 def _floor(points: _Points, one_item: Traffic, candidates: Traffic) -> dict:
     """The no-op handler's points: TorchServe's own floor, once the frontend is warm."""
     figures: dict = {}
-    _register(points.server, "noop")
+    _register(points.server, NOOP)
     points.progress.set_postfix_str("warm-up")
     points.clients["warm_up"] = run_wrk(
-        f"{points.server.inference_url}/predictions/noop", points.auth, one_item, 32, WARM_UP_S
+        f"{points.server.inference_url}/predictions/{NOOP}", points.auth, one_item, 32, WARM_UP_S
     ).client_summary()
     points.progress.update()
-    figures["floor_c1_p50_ms"] = points.serve("floor_c1", _unbatched("noop"), one_item, 1)[0].latency_ms["p50"]
-    floor, figures["floor_worker_cpu_us_per_item_c32"] = points.serve("floor_c32", "noop", one_item, 32)
+    figures["floor_c1_p50_ms"] = points.serve("floor_c1", _unbatched(NOOP), one_item, 1)[0].latency_ms["p50"]
+    floor, figures["floor_worker_cpu_us_per_item_c32"] = points.serve("floor_c32", NOOP, one_item, 32)
     figures["floor_c32_items_per_s"] = floor.items_per_s
     figures["floor_c32_p99_ms"] = floor.latency_ms["p99"]
-    figures["floor_100cand_items_per_s"] = points.serve("floor_100cand", "noop", candidates, 32)[0].items_per_s
+    figures["floor_100cand_items_per_s"] = points.serve("floor_100cand", NOOP, candidates, 32)[0].items_per_s
     return figures
 
 
@@ -249,12 +246,7 @@ def _decode_us_per_item(schema, traffic: Traffic, min_time_s: float = 1.0) -> fl
 
 def _build(scenario: SpeedScenario, name: str, store: Path) -> Path:
     build(scenario.spec, store, *scenario.build_args)
-    subprocess.run(
-        [sys.executable, "-c", "from model_archiver.model_packaging import generate_model_archive "
-         "as main; main()", "--model-name", "noop", "--version", "1.0", "--handler",
-         str(NOOP_HANDLER), "--export-path", str(store), "--force"],
-        check=True,
-    )
+    build_noop(store)
     unzipped = "no-archive" in scenario.build_args
     return store / (name if unzipped else f"{name}.mar")
 

@@ -37,6 +37,7 @@ SLOWEST_FIRST = (
     "tests/integration/test_publishing.py",
     "tests/integration/test_table_copies.py",
     "tests/bench/test_smoke.py",
+    "tests/bench/test_engines.py",
     "tests/integration/test_distributed.py",
     "tests/bench/test_freshness.py",
     "tests/bench/test_raw_ids_scenario.py",

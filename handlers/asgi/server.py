@@ -27,6 +27,8 @@ from handlers.asgi.metrics import use_directory
 from handlers.asgi.placing import place
 from handlers.runtime.archive_files import MANIFEST
 
+APP = "handlers.asgi.factory:app_from_environment"  # uvicorn's factory of each process's application
+
 
 class ServedArchives:
     """``names`` in ``store`` (none: every ``.mar`` and archive folder there), placed in a new state
@@ -58,22 +60,24 @@ class ServedArchives:
             self.folder = None
 
 
-def run(settings: EngineSettings, host: str, port: int, workers: int) -> None:
-    """Serves until a signal stops every process (uvicorn's own handling of SIGINT and SIGTERM)."""
+def run(settings: EngineSettings, host: str, port: int, workers: int, app: str = APP) -> None:
+    """Serves until a signal stops every process (uvicorn's own handling of SIGINT and SIGTERM);
+    ``app``: the factory each process builds its application with, as uvicorn imports it (a
+    benchmark wraps the engine's own: ``benchmarks.asgi_floor``)."""
     if settings.grpc_port:
         check_port_free(settings.grpc_host, settings.grpc_port)
     os.environ[ENGINE_ENV] = settings.to_env()  # read by each worker process
     counts = Path(tempfile.mkdtemp(prefix="torchrec-serve-metrics-"))  # empty: this run's counts only
     use_directory(counts)  # this process's and its workers'
     try:
-        _serve(host, port, workers)
+        _serve(app, host, port, workers)
     finally:
         shutil.rmtree(counts, ignore_errors=True)
 
 
-def _serve(host: str, port: int, workers: int) -> None:
+def _serve(app: str, host: str, port: int, workers: int) -> None:
     uvicorn.run(
-        "handlers.asgi.factory:app_from_environment",
+        app,
         factory=True,
         host=host,
         port=port,

@@ -12,90 +12,29 @@ store on free loopback ports with keys on, ``workers`` processes a model, until 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import requests
 
-from archive_tools.local_server import HandlerCounters, LocalTorchServe, free_port
+from archive_tools.local_asgi import LocalAsgiServer
+from archive_tools.local_server import HandlerCounters, LocalTorchServe
 
 ENGINES = ("torchserve", "asgi")
 
 
-class AsgiServer:
-    """``torchrec-serve serve --engine asgi`` in its own process group, stopped by pid: HTTP on
-    ``url``, gRPC on ``grpc_target`` (free ports: a shared gRPC port would split a server's calls
-    with another's)."""
+class AsgiServer(LocalAsgiServer):
+    """The asgi engine, started: ``LocalAsgiServer`` with ``TorchServeEngine``'s face."""
 
     kind = "asgi"
 
     def __init__(self, store: Path, archives: list[str], workers: int, workdir: Path) -> None:
-        self.port, self.grpc_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.grpc_target = f"127.0.0.1:{self.grpc_port}"
-        self.key_file = workdir / "keys.json"
-        self.log = workdir / "server.out"
-        command = [sys.executable, "-m", "archive_tools", "serve", "--engine", "asgi", *archives,
-                   "--model-store", str(store), "--port", str(self.port), "--grpc-port", str(self.grpc_port),
-                   "--workers", str(workers), "--key-file", str(self.key_file)]
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self._wait_ready(timeout_s=180)
-        except BaseException:
-            self.stop()
-            raise
-        keys = json.loads(self.key_file.read_text())
-        self.key = keys["inference"]["key"]
-        self.auth = {"Authorization": f"Bearer {self.key}"}
-        self.management_auth = {"Authorization": f"Bearer {keys['management']['key']}"}
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"the server exited:\n{self.log.read_text()[-3000:]}")
-            try:
-                if requests.get(f"{self.url}/v2/health/ready", timeout=2).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.25)
-        raise AssertionError(f"not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+        super().__init__(store, archives, workers, workdir)
+        self.start()
 
     @property
     def management_url(self) -> str:
         return self.url  # one port serves both
-
-    def post(self, path: str, body: bytes | str | dict, headers: dict | None = None, auth: bool = True) -> requests.Response:
-        return _post(self.url, path, body, self.auth if auth else {}, headers)
-
-    def manage(self, method: str, path: str, **params) -> requests.Response:
-        return requests.request(method, f"{self.url}{path}", params=params, headers=self.management_auth, timeout=150)
-
-    def counters(self, model: str) -> HandlerCounters:
-        return HandlerCounters.from_metrics(requests.get(f"{self.url}/metrics", timeout=10).text, model)
-
-    def stats(self, model: str) -> dict[int, int]:
-        """{requests in a batch: batches}, this process's (the statistics route)."""
-        stats = requests.get(f"{self.url}/v2/models/{model}/stats", headers=self.auth, timeout=10).json()
-        return {b["batch_size"]: b["compute_infer"]["count"] for b in stats["model_stats"][0]["batch_stats"]}
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # start_new_session: the group is the server's pid
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
 
 
 class TorchServeEngine:
