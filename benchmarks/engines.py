@@ -6,9 +6,11 @@ and on the project's asgi engine (``torchrec-serve serve --engine asgi``), in on
 
 Both engines serve archives built with the project's production settings (``ServingConfig``:
 batch_size 32, max_batch_delay 5 ms; for the concurrency-1 point the same model built with
-batch_size 1, batching off), and each runs one Python process for the throughput points, so the
-points compare like with like: TorchServe's Java frontend with one worker per model, the asgi
-engine with ``--workers 1``. Closed loops are ``wrk``, one item per request unless said:
+batch_size 1, batching off), each as it is deployed on this machine: TorchServe's Java frontend
+(its HTTP on threads of its own) with one worker per model, the asgi engine with its default
+``--workers``, one process per core (each parses its own connections' HTTP and batches them).
+``asgi_one_process_one_item_c32_items_per_s`` beside them: the asgi engine with ``--workers 1``.
+Closed loops are ``wrk``, one item per request unless said:
 
 * ``*_one_item_c1_p50_ms``: concurrency 1, batching off;
 * ``*_one_item_c32_items_per_s`` and ``*_p99_ms_c32``: concurrency 32, batch 32 / 5 ms;
@@ -21,8 +23,10 @@ engine with ``--workers 1``. Closed loops are ``wrk``, one item per request unle
 ``max_score_diff_engines``: the same requests (one-item and 100-candidate) sent to both engines'
 batch-32 model one at a time, the largest absolute score difference. ``asgi_two_process_pss_ratio``:
 the summed PSS (``/proc/PID/smaps_rollup``) of the asgi engine's two processes with ``--workers 2``
-over its one process's with ``--workers 1``, both serving the same archives, measured back to back
-after the same traffic. With ``--workers 1`` uvicorn serves in the CLI's own process, which has
+over its one process's with ``--workers 1``, serving the Criteo 1TB row counts (6.0 GiB of tables,
+as TorchServe's two workers are measured in the criteo-1tb scenario), measured back to back after
+the same traffic once the other servers are stopped; ``asgi_two_process_pss_ratio_scored_model``:
+the same on the points' model, whose 62 MiB of tables are smaller than a process's own memory. With ``--workers 1`` uvicorn serves in the CLI's own process, which has
 imported the whole CLI (TorchRec and the build pipeline among it); with two, each worker process
 imports the engine alone, so the one process holds more than a worker and the ratio understates
 what a second process costs. Beside each process's PSS, its mappings of the tables' working copy
@@ -84,10 +88,17 @@ class EnginesScenario:
     warmup_s: float = 2.0  # wrk at concurrency 4 before each point; 0: 20 requests of the Python client
     pool_requests: int = 512  # distinct one-item requests (half as many 100-candidate ones), cycled
     ts_two_workers: bool = True  # TorchServe's two-worker PSS ratio too, beside the asgi engine's
+    # the asgi engine's PSS, one process and two, on a model of large tables (None: on ``spec``'s)
+    pss_spec: Path | None = None
+    pss_build_args: tuple[str, ...] = ()
 
 
 ENGINES_SCENARIOS = {
-    "engines": EnginesScenario("engines", MODELS / "criteo.yaml", ("--artifact", "aoti"), CRITEO_CANDIDATE_FEATURES),
+    "engines": EnginesScenario(
+        "engines", MODELS / "criteo.yaml", ("--artifact", "aoti"), CRITEO_CANDIDATE_FEATURES,
+        pss_spec=MODELS / "criteo_1tb.yaml",  # 6.0 GiB of tables, as the speed-1tb scenario builds them
+        pss_build_args=("--init", "quantized", "--archive-format", "no-archive", "--artifact", "aoti"),
+    ),
     "engines-smoke": EnginesScenario(
         "engines-smoke", MODELS / "tiny.yaml", (), ("item_id",), seconds=1.0, warmup_s=0.0, pool_requests=64,
         ts_two_workers=False,
@@ -151,7 +162,7 @@ def run_engines(scenario: EnginesScenario, out_dir: Path) -> dict:
             spec, max(SCORED_CANDIDATES, scenario.pool_requests // 2), seed=2),
     }
     scored = traffic["one"].bodies[:SCORED_ONE_ITEM] + traffic["cand"].bodies[:SCORED_CANDIDATES]
-    progress = tqdm(total=12 + scenario.ts_two_workers, desc=scenario.name, unit="step")
+    progress = tqdm(total=14 + scenario.ts_two_workers, desc=scenario.name, unit="step")
     results: dict = {"scenario": scenario.name, "spec": spec.name, "cpus": len(os.sched_getaffinity(0)),
                      "load_average_at_start": os.getloadavg()}
     progress.set_postfix_str("building")
@@ -160,22 +171,26 @@ def run_engines(scenario: EnginesScenario, out_dir: Path) -> dict:
     progress.update()
     served = [f"{batched}.mar", f"{unbatched}.mar"]
     torchserve = LocalTorchServe(model_store=store)
-    floor = LocalAsgiServer(store, [f"{batched}.mar"], 1, entry=(asgi_floor.MODULE,))
+    processes = os.cpu_count() or 1  # the asgi engine's default --workers: one process per core
+    floor = LocalAsgiServer(store, [f"{batched}.mar"], processes, entry=(asgi_floor.MODULE,))
     one, two = LocalAsgiServer(store, served, 1), LocalAsgiServer(store, served, 2)
+    default = two if processes == 2 else LocalAsgiServer(store, served, processes)
     points = _Points(scenario, progress)
     answers = {}
     with contextlib.ExitStack() as running:
-        for server in (torchserve, floor, one, two):
+        asgi_servers = list(dict.fromkeys((floor, one, two, default)))  # default may be two
+        for server in (torchserve, *asgi_servers):
             running.callback(server.stop)  # stopping one never started, or stopped, does nothing
         progress.set_postfix_str("starting both engines' servers")
-        _start_all([lambda: _start_torchserve(torchserve, batched, unbatched), floor.start, one.start, two.start])
+        _start_all([lambda: _start_torchserve(torchserve, batched, unbatched), *(s.start for s in asgi_servers)])
         progress.update()
         progress.set_postfix_str("asgi: PSS, one process, then two")
         results["asgi_pss_mib"] = {
             "one_process": _pss_after_traffic(points, _asgi_side(one), batched, traffic["one"], one.processes(batched, 1)),
             "two_processes": _pss_after_traffic(points, _asgi_side(two), batched, traffic["one"], two.processes(batched, 2)),
         }
-        two.stop()
+        if default is not two:
+            two.stop()
         progress.update()
         ts = _Side(torchserve.inference_url, torchserve.auth("inference"), torchserve.process.pid)
         points.serve("ts_floor_c32", ts, NOOP, traffic["one"], CONCURRENCY)
@@ -188,9 +203,16 @@ def run_engines(scenario: EnginesScenario, out_dir: Path) -> dict:
         torchserve.stop()
         points.serve("asgi_floor_c32", _asgi_side(floor), batched, traffic["one"], CONCURRENCY)
         floor.stop()
-        asgi = _asgi_side(one)
+        points.serve("asgi_one_process_one_item_c32", _asgi_side(one), batched, traffic["one"], CONCURRENCY)
+        one.stop()
+        asgi = _asgi_side(default)
         _model_points(points, "asgi", asgi, batched, unbatched, traffic)
         answers["asgi"] = _scores(asgi, batched, scored)
+        results["asgi_processes"] = processes
+    if scenario.pss_spec is not None:
+        progress.set_postfix_str(f"asgi: PSS on {scenario.pss_spec.stem}, one process, then two")
+        results["asgi_large_tables_pss_mib"] = _large_tables_pss(scenario, out_dir / "model_store_pss", points)
+    progress.update()
     progress.close()
     results["load_average_at_end"] = os.getloadavg()
     results.update(_figures(points.points, answers, results))
@@ -265,6 +287,20 @@ def _pss_after_traffic(points: _Points, side: _Side, model: str, traffic: Traffi
     return {"processes": len(pids), "each": each, "total": sum(each), "tables": [mapped_mib(pid, ROOTS) for pid in pids]}
 
 
+def _large_tables_pss(scenario: EnginesScenario, store: Path, points: _Points) -> dict:
+    """The asgi engine's PSS with one process, then two, serving ``pss_spec`` (built as
+    ``pss_build_args`` say), after the same one-item traffic; the other servers stopped."""
+    spec = load_spec(scenario.pss_spec)
+    build(scenario.pss_spec, store, *scenario.pss_build_args, quiet=True)
+    traffic = TrafficModel(items_per_request=1).generate(spec, scenario.pool_requests, seed=1)
+    measured = {}
+    for key, workers in (("one_process", 1), ("two_processes", 2)):
+        with LocalAsgiServer(store, [spec.name], workers) as server:
+            measured[key] = _pss_after_traffic(points, _asgi_side(server), spec.name, traffic,
+                                               server.processes(spec.name, workers))
+    return measured
+
+
 def _ts_two_workers(server: LocalTorchServe, points: _Points, side: _Side, model: str, traffic: Traffic) -> dict:
     """The model's workers' PSS after the same traffic, with one worker, then scaled to two."""
     one = _pss_after_traffic(points, side, model, traffic, _ts_workers(server, model))
@@ -287,13 +323,16 @@ def _figures(points: dict[str, dict], answers: dict[str, list[float]], results: 
         figures[f"{engine}_one_item_c1_p50_ms"] = points[f"{engine}_one_item_c1"]["latency_ms"]["p50"]
         figures[f"{engine}_100cand_items_per_s"] = points[f"{engine}_100cand_c32"]["items_per_s"]
         figures[f"{engine}_p99_ms_c32"] = points[f"{engine}_one_item_c32"]["latency_ms"]["p99"]
+    figures["asgi_one_process_one_item_c32_items_per_s"] = points["asgi_one_process_one_item_c32"]["items_per_s"]
     ts, asgi = np.asarray(answers["ts"]), np.asarray(answers["asgi"])
     if ts.shape != asgi.shape:
         raise RuntimeError(f"the engines answered {ts.shape} and {asgi.shape} scores to the same requests")
     figures["max_score_diff_engines"] = float(np.abs(ts - asgi).max())
     figures["scores_compared"] = int(ts.size)
-    pss = results["asgi_pss_mib"]
+    pss = results.get("asgi_large_tables_pss_mib", results["asgi_pss_mib"])
     figures["asgi_two_process_pss_ratio"] = pss["two_processes"]["total"] / pss["one_process"]["total"]
+    small = results["asgi_pss_mib"]
+    figures["asgi_two_process_pss_ratio_scored_model"] = small["two_processes"]["total"] / small["one_process"]["total"]
     if "ts_pss_mib" in results:
         ts_pss = results["ts_pss_mib"]
         figures["ts_two_worker_pss_ratio"] = ts_pss["two_workers"]["total"] / ts_pss["one_worker"]["total"]

@@ -47,7 +47,8 @@ def summary(results: dict) -> str:
         elif isinstance(value, float):
             lines.append(f"  {key:<{width}}  {value:>14.3g}" if key.startswith("max_") else f"  {key:<{width}}  {value:>14,.2f}")
     lines.append("PSS, MiB (each process, total):")
-    for label, key in (("asgi", "asgi_pss_mib"), ("TorchServe", "ts_pss_mib")):
+    for label, key in (("asgi, large tables", "asgi_large_tables_pss_mib"), ("asgi", "asgi_pss_mib"),
+                       ("TorchServe", "ts_pss_mib")):
         for count, measured in results.get(key, {}).items():
             each = " + ".join(f"{mib:,.0f}" for mib in measured["each"])
             tables = "; ".join(f"rss {t['rss']:,.0f}, pss {t['pss']:,.0f}, private {t['private']:,.0f}" for t in measured["tables"])
