@@ -73,8 +73,10 @@ def measured(
         "cpu_busy_cores_during": sum(c for c, _ in busy["publishing"]) / sum(s for _, s in busy["publishing"]),
         "failed_requests": _failed(result, result.events[0][0], float("inf")),
         "statuses": result.statuses,
-        "load_client_cpu_cores": result.client_cpu_cores,  # the open loop's client (Python)
+        "load_client_cpu_cores": result.client_cpu_cores,  # the open loop's client (wrk)
         "load_client_saturated": result.client_saturated,
+        "load_achieved_rps": result.achieved_rps,
+        "load_late_sends": result.late_sends,
         "rss_growth_mib": memory_after["anon_mib"] - memory_before["anon_mib"],
         "rss_total_growth_mib": memory_after["rss_mib"] - memory_before["rss_mib"],
         "memory_before": memory_before,
@@ -128,7 +130,8 @@ def _failed(result: LoadResult, start: float, end: float) -> int:
 def summary(figures: dict) -> str:
     lines = [f"freshness scenario {figures['scenario']}: {figures['workers']} workers, "
              f"{figures['load_rps']:.0f} req/s ({figures['load_rps'] / figures['max_load_rps']:.0%} of max load {figures['max_load_rps']:.0f}); "
-             f"client (Python) {figures['load_client_cpu_cores']:.2f} cores{', saturated' if figures['load_client_saturated'] else ''}"]
+             f"client (wrk) {figures['load_client_cpu_cores']:.2f} cores{', saturated' if figures['load_client_saturated'] else ''}, "
+             f"{figures['load_achieved_rps']:.0f} req/s achieved, {figures['load_late_sends']} sent late"]
     for key, op, bound in TARGETS:
         value = figures[key]
         limit = figures[bound] if isinstance(bound, str) else bound

@@ -9,11 +9,13 @@ Writes ``benchmarks/results/SCENARIO/reliability.json`` (the keys below), ``summ
 
 * ``max_load_rps``: the highest open-loop rate of one-item requests served with no error and a
   p99 within 4x that of a light load (at least 50 ms), in steps of 5% of a closed loop's
-  throughput (``closed_loop_rps``, measured with wrk); the open loop is the Python client (it
-  keeps each request's timing), whose CPU each step records (``max_load_steps``): on 2 cores it
-  saturates near 4,000 requests/s, and the phases below run at fractions of the max load;
-* ``soak_s``, ``soak_requests``, ``soak_errors``, ``soak_rss_growth_pct``: an open loop at 80% of
-  the max load; RSS of the frontend and workers, after the first tenth against the end;
+  throughput (``closed_loop_rps``); both loops are ``wrk`` (``benchmarks.wrk_open`` paces the
+  open one), and each step records its client's CPU, the rate it achieved and its late sends
+  (``max_load_steps``); the phases below run at fractions of the max load;
+* ``soak_s``, ``soak_requests``, ``soak_errors``, ``soak_rss_growth_pct``: an open loop (wrk) at
+  ``soak_share`` of the max load (70%); RSS of the frontend and workers, after the first tenth
+  against the end; ``soak_client_cpu_cores``, ``soak_achieved_rps``, ``soak_late_sends``: its
+  client's CPU and how well it kept the rate;
 * ``kill_worker_failed_requests``, ``kill_worker_inflight``, ``kill_worker_recovery_s``: one of two
   workers killed with SIGKILL under load; failed requests against those in flight when the death
   showed (sent before its first failed answer, answered after the kill); recovery: kill -> both
@@ -26,8 +28,8 @@ Writes ``benchmarks/results/SCENARIO/reliability.json`` (the keys below), ``summ
   100-candidate requests (batch_size 3: one thread per forward) at twice the measured capacity,
   against 10% of it; the wait target is the unloaded median latency (``max_queue_wait_ms`` at
   register);
-* ``register_during_load_inference_p99_ms``, ``inference_p99_ms_baseline``: 50% load while a
-  second model registers synchronously, against the same load without;
+* ``register_during_load_inference_p99_ms``, ``inference_p99_ms_baseline``: 50% load (wrk)
+  while a second model registers synchronously, against the same load without;
 * ``version_swap_failed_requests``: register version 2.0, set it default, unregister 1.0, under load;
 * ``poisoned_*`` (``benchmarks.poisoned``): 1% of requests that the model itself refuses, at
   1,000 requests/s for 45 s (the smoke: half its max load, 1 s): the good requests' failures
@@ -36,7 +38,12 @@ Writes ``benchmarks/results/SCENARIO/reliability.json`` (the keys below), ``summ
   keys, bad encodings, ...), and whether the worker stayed up;
 * ``token_expiry_client_errors``: a server whose keys expire every 3 s, served for 10 key lifetimes
   by the project's client;
-* ``log_bytes_per_hour_at_1k_rps``: log growth at 1,000 requests/s, per hour.
+* ``log_bytes_per_hour_at_1k_rps``: log growth at 1,000 requests/s (wrk), per hour.
+
+Every open loop is wrk's (``benchmarks.wrk_open``; the disruptions' with a timeline) but two, the
+Python client's (``benchmarks.load``): the poisoned phase's, which needs each body sent its exact
+share of the time (1% poisoned) and the good requests' latencies apart from the refused ones', and
+the overload's (``benchmarks.disruptions.overload``).
 """
 
 from __future__ import annotations
@@ -57,13 +64,14 @@ from archive_tools.local_server import LocalTorchServe
 from benchmarks.building import build
 from benchmarks.disruptions import failed, hang_worker, kill_worker, ok, overload, scale_down_trials, version_swap
 from benchmarks.fuzz import fuzz_cases
-from benchmarks.load import BackgroundLoad, LoadResult, run_closed_loop, run_open_loop
+from benchmarks.load import LoadResult
 from benchmarks.memory import model_workers
 from benchmarks.poisoned import build_lenient, poisoned_load
 from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS
 from benchmarks.reliability_report import plot, summary
 from benchmarks.traffic import Traffic, TrafficModel
 from benchmarks.wrk import run_wrk
+from benchmarks.wrk_open import WrkBackgroundLoad, run_wrk_open
 from handlers.modeling.registry import load_spec
 
 
@@ -96,6 +104,7 @@ class ReliabilityScenario:
     # its open loops: their rate (None: half the max load) and length (a p99 wants 45 s and more)
     poisoned_rps: float | None = 1000.0
     poisoned_s: float = 45.0
+    soak_share: float = 0.7  # the soak's load, a share of the max load
 
     @property
     def admission(self) -> dict[str, int]:
@@ -155,7 +164,7 @@ def run_reliability(scenario: ReliabilityScenario, out_dir: Path) -> dict:
         if "register_during_load" not in scenario.skip:
             figures.update(_register_during_load(server, name, url, auth, one_item, max_rps, scenario.phase_s))
         phase("register during load")
-        figures.update(_soak(server, url, auth, one_item, 0.8 * max_rps, scenario.soak_s))
+        figures.update(_soak(server, url, auth, one_item, scenario.soak_share * max_rps, scenario.soak_s))
         phase("soak")
         _disruptions(server, scenario, name, one_item, max_rps, figures, timelines, phase)
         figures.update(poisoned_load(server, scenario.poisoned_rps or 0.5 * max_rps, scenario.poisoned_s))
@@ -190,8 +199,8 @@ def _register_during_load(
     server: LocalTorchServe, name: str, url: str, auth: dict, traffic: Traffic, max_rps: float, phase_s: float
 ) -> dict:
     """Inference p99 at half the max load, alone and while a second copy of the model registers."""
-    baseline = run_open_loop(url, auth, traffic, 0.5 * max_rps, phase_s)
-    with BackgroundLoad(url, auth, traffic, 0.5 * max_rps) as load:
+    baseline = run_wrk_open(url, auth, traffic, 0.5 * max_rps, phase_s)
+    with WrkBackgroundLoad(url, auth, traffic, 0.5 * max_rps) as load:
         time.sleep(1.0)
         ok(server.register(f"{name}.mar", model_name=f"{name}-second", initial_workers=1))
         time.sleep(1.0)
@@ -242,16 +251,17 @@ def _disruptions(
 def max_load(url: str, auth: dict, traffic: Traffic, seconds: float, step: float = 0.05) -> dict:
     """The highest open-loop rate the server sustains: every request answered 200 with a p99
     within 4x that of a light load (at least 50 ms). Rates step up by 5% of a closed loop's
-    throughput (32 senders; ``step``), from 25%; the load generator shares the machine's cores, so what it
-    can send is part of the limit. A step that misses is run once more before the search ends:
+    throughput (32 senders; ``step``), from 25%. Both loops are wrk, which takes a few hundredths
+    of a core from the server (the Python open loop took up to 0.6 of this machine's two).
+    A step that misses is run once more before the search ends:
     one stall of the machine itself (``benchmarks.stalls``: 20-250 ms now and then, at any load)
     is enough to lift a short step's p99 past the bound: two searches here ended on steps at
     25% and 30% of the closed loop's rate (p99 128 and 94 ms), where earlier ones reached 80%.
-    A closed loop of 8 senders warms the server first, as long as a step (2 s at most)."""
-    run_closed_loop(url, auth, traffic, 8, min(2.0, seconds), 10**6)
+    A closed loop of 8 connections warms the server first, as long as a step (2 s at most)."""
+    run_wrk(url, auth, traffic, 8, min(2.0, seconds))
     closed = run_wrk(url, auth, traffic, 32, seconds)
     closed_rps = closed.requests_per_s
-    light = run_open_loop(url, auth, traffic, 0.2 * closed_rps, seconds)
+    light = run_wrk_open(url, auth, traffic, 0.2 * closed_rps, seconds)
     bound_ms = max(50.0, 4 * light.latency_ms["p99"])
     sustained = 0.2 * closed_rps
     steps = {}
@@ -261,12 +271,13 @@ def max_load(url: str, auth: dict, traffic: Traffic, seconds: float, step: float
 
     for k in range(round(0.75 / step) + 1):
         rate = (0.25 + k * step) * closed_rps
-        result = run_open_loop(url, auth, traffic, rate, seconds)
+        result = run_wrk_open(url, auth, traffic, rate, seconds)
         if missed(result):
-            result = run_open_loop(url, auth, traffic, rate, seconds)
+            result = run_wrk_open(url, auth, traffic, rate, seconds)
         steps[f"{rate:.0f}"] = {
             "p99_ms": result.latency_ms.get("p99"), "statuses": result.statuses,
             "client_cpu_cores": result.client_cpu_cores, "client_saturated": result.client_saturated,
+            "achieved_rps": result.achieved_rps, "late_sends": result.late_sends,
         }
         if missed(result):
             break
@@ -275,13 +286,15 @@ def max_load(url: str, auth: dict, traffic: Traffic, seconds: float, step: float
         "closed_loop_rps": closed_rps,
         "closed_loop_client": closed.client_summary(),
         "light_load_p99_ms": light.latency_ms["p99"],
+        "light_load_client": light.client_summary(),
         "max_load_steps": steps,
         "max_load_rps": sustained,
     }
 
 
 def _soak(server: LocalTorchServe, url: str, auth: dict, traffic: Traffic, rate: float, seconds: float) -> dict:
-    with BackgroundLoad(url, auth, traffic, rate) as load:
+    """wrk's open loop at ``rate`` for ``seconds``; its p99 is of every answer (wrk's histogram)."""
+    with WrkBackgroundLoad(url, auth, traffic, rate, max_s=seconds + 60) as load:
         time.sleep(seconds / 10)
         early = _server_rss_mib(server)
         time.sleep(seconds * 9 / 10)
@@ -294,7 +307,10 @@ def _soak(server: LocalTorchServe, url: str, auth: dict, traffic: Traffic, rate:
         "soak_errors": failed(result),
         "soak_statuses": result.statuses,
         "soak_p99_ms": result.latency_ms.get("p99"),
+        "soak_client": result.client,
         "soak_client_cpu_cores": result.client_cpu_cores,
+        "soak_achieved_rps": result.achieved_rps,
+        "soak_late_sends": result.late_sends,
         "soak_rss_mib": [early, late],
         "soak_rss_growth_pct": 100 * (late - early) / early,
     }
@@ -320,13 +336,13 @@ def _fuzz(server: LocalTorchServe, name: str, traffic: Traffic, cases: int) -> d
 def _logs(server: LocalTorchServe, url: str, auth: dict, traffic: Traffic, rate: float, seconds: float) -> dict:
     logs = server.workdir / "logs"
     before = _folder_bytes(logs)
-    result = run_open_loop(url, auth, traffic, rate, seconds)
+    result = run_wrk_open(url, auth, traffic, rate, seconds)
     time.sleep(1.0)  # asynchronous appenders
     grown = _folder_bytes(logs) - before
     per_hour = grown / result.wall_s * 3600 * (1000.0 / rate)
     return {
         "log_bytes_per_hour_at_1k_rps": per_hour,
-        "log_measured_rps": result.requests / result.wall_s,
+        "log_measured_rps": result.achieved_rps,
         "log_files": sorted(p.name for p in logs.iterdir()),
     }
 

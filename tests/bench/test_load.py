@@ -1,13 +1,10 @@
 """The load generator against a small aiohttp server on a thread of the test process."""
 
-import asyncio
 import collections
 import gc
 import pickle
-import socket
 import subprocess
 import sys
-import threading
 
 import pytest
 from aiohttp import web
@@ -19,7 +16,7 @@ from handlers.runtime.wire.v2_headers import HEADER_LENGTH
 
 
 @pytest.fixture
-def server(received):
+def server(serve, received):
     """``(url, freeze counts seen by each request)``: a server answering every POST with 200
     (and keeping each request's body and headers in ``received``)."""
     seen: list[int] = []
@@ -29,33 +26,7 @@ def server(received):
         seen.append(gc.get_freeze_count())
         return web.Response(body=b"{}")
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-
-    async def serve() -> web.AppRunner:
-        app = web.Application()
-        app.router.add_post("/p", answer)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        runner = loop.run_until_complete(serve())
-        started.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert started.wait(10)
-    yield f"http://127.0.0.1:{port}/p", seen
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    return serve(answer), seen
 
 
 @pytest.fixture
