@@ -34,7 +34,8 @@ transition (register 2.0, set it default, unregister 1.0). Writes
 * ``failed_requests``: non-200 answers over the whole run; ``load_client_cpu_cores``,
   ``load_client_saturated``: the open loop's client (wrk), its CPU in cores and whether it was
   saturated; ``load_achieved_rps``, ``load_late_sends``: the rate it kept, and the requests it sent
-  10 ms or more after their schedule (their connection still waited for an answer);
+  10 ms or more after their schedule (their connection still waited for an answer: a stretch that
+  slow shows as late sends and their latency more than as failed requests, ``benchmarks.wrk_open``);
 * ``rss_growth_mib``: the server's anonymous memory (frontend and workers, ``RssAnon``), after the
   publishing against before; mapped table pages that the writer touched are page cache, shared
   and reclaimable, and reported apart (``rss_total_growth_mib``) next to the bytes of the deltas;

@@ -14,11 +14,12 @@ the client's own collections do not pass for the server's latency.
 the server (kill a worker, scale, register), and keeps every request's (sent, answered, status).
 
 The client costs the server it loads a share of the machine (0.57 of two cores at 3,080 requests/s):
-the reliability and freshness scenarios load with ``wrk`` instead (``benchmarks.wrk_open``, the same
-``LoadResult``). This one stays where each body must be sent its exact share of the time, each
-request's items counted or its latency told from its body's (the poisoned phase's 1%, the serving
-scenarios' mixed workloads), where in-flight requests must not be bounded by connections (the
-overload phase), and for the distributed scenario's failover (not moved yet) and the tests'
+the reliability suite's max-load search, soak, register and log phases and the freshness scenario
+load with ``wrk`` instead (``benchmarks.wrk_open``, the same ``LoadResult``). This one stays where
+requests in flight must not be bounded by connections (the reliability suite's disruptions and
+overload, the distributed scenario's failover: wrk's loop sends late when answers slow, and fewer
+requests then fail), where each body must be sent its exact share of the time or each request's
+items counted (the poisoned phase's 1%, the serving scenarios' mixed workloads), and for the tests'
 background loads.
 """
 

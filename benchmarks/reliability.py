@@ -29,7 +29,8 @@ Writes ``benchmarks/results/SCENARIO/reliability.json`` (the keys below), ``summ
   against 10% of it; the wait target is the unloaded median latency (``max_queue_wait_ms`` at
   register);
 * ``register_during_load_inference_p99_ms``, ``inference_p99_ms_baseline``: 50% load (wrk)
-  while a second model registers synchronously, against the same load without;
+  while a second model registers synchronously, against the same load without
+  (``register_during_load_late_sends``: wrk's sends 10 ms or more late, a p99 it may hide);
 * ``version_swap_failed_requests``: register version 2.0, set it default, unregister 1.0, under load;
 * ``poisoned_*`` (``benchmarks.poisoned``): 1% of requests that the model itself refuses, at
   1,000 requests/s for 45 s (the smoke: half its max load, 1 s): the good requests' failures
@@ -40,10 +41,11 @@ Writes ``benchmarks/results/SCENARIO/reliability.json`` (the keys below), ``summ
   by the project's client;
 * ``log_bytes_per_hour_at_1k_rps``: log growth at 1,000 requests/s (wrk), per hour.
 
-Every open loop is wrk's (``benchmarks.wrk_open``; the disruptions' with a timeline) but two, the
-Python client's (``benchmarks.load``): the poisoned phase's, which needs each body sent its exact
-share of the time (1% poisoned) and the good requests' latencies apart from the refused ones', and
-the overload's (``benchmarks.disruptions.overload``).
+The max-load search, the soak, the register and the log phases load with wrk
+(``benchmarks.wrk_open``); the others with the Python client (``benchmarks.load``): the
+disruptions and the overload count the requests that fail, and wrk's open loop backs off when the
+answers slow past its connections (``benchmarks.disruptions``); the poisoned phase needs each body
+sent its exact share of the time (1% poisoned) and the good requests' latencies apart.
 """
 
 from __future__ import annotations
@@ -209,6 +211,7 @@ def _register_during_load(
         "inference_p99_ms_baseline": baseline.latency_ms["p99"],
         "register_during_load_inference_p99_ms": load.result.latency_ms["p99"],
         "register_during_load_non_200": failed(load.result),
+        "register_during_load_late_sends": load.result.late_sends,
     }
 
 

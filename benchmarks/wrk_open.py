@@ -1,29 +1,31 @@
 """The compiled open-loop client: ``wrk`` sending Poisson arrivals at a fixed rate, so that the
 load takes little of the machine from the server it measures (the Python open loop took 0.57 of
-two cores at 3,080 requests/s; this one about 0.05 a thousand requests/s, 0.1 with a timeline).
+its two cores at 3,080 requests/s; this one 0.13 at 2,535, paced).
 
-Pacing: each wrk thread draws its share of the arrivals in advance; a connection that is free
-claims the next one, and ``delay()`` returns the wait for it. A connection waits for its answer
-before it sends again (HTTP/1.1, no pipelining), so when every connection waits, an arrival is
-sent late, as soon as one is free: the server then sees fewer arrivals than the rate while it is
-slow, the coordinated omission of a closed loop. There are ``rate x CONNECTION_S`` connections
-(50 ms, a latency bound, twice over): by Little's law they are all busy only when the mean latency
-passes 100 ms, past any bound the benchmarks set. ``late_sends`` counts the requests sent
-``LATE_S`` or more after their arrival and ``achieved_rps`` the rate kept (sent per second), so
-that a run that fell behind shows.
+Each wrk thread draws its share of the arrivals in advance; a connection that is free claims the
+next one, and ``delay()`` returns the wait for it. A connection waits for its answer before it
+sends again (HTTP/1.1, no pipelining), so an arrival that comes while every connection of its
+thread waits is sent late, as soon as one is free: while the server is that slow it sees fewer
+arrivals than the rate, as a closed loop's server would (coordinated omission), and fewer of them
+fail. ``late_sends`` counts the requests sent ``LATE_S`` or more after their arrival and
+``achieved_rps`` is the rate kept, so that a run that fell behind shows; a load that must keep
+its rate however slow the answers get (a disruption, an overload) is the Python client's. Two
+layouts, and the same ``LoadResult`` as the Python loops':
 
-Two layouts, the same ``LoadResult`` as the Python loops':
-
-* paced (``run_wrk_open``, a ``WrkBackgroundLoad``): one thread for all the connections, 25-50 us of
-  CPU a request. The Lua callbacks do not say which connection they serve, so a send is not paired
-  with its answer: statuses are counted by code, latencies are wrk's histogram of every answer
-  (from its actual send), which adds for each answer slower than twice a connection's mean
-  interval (200 ms) samples a mean interval apart below it;
-* ``timeline=True``: one connection a thread (then a thread's ``delay()``, ``request()`` and
-  ``response()`` follow each other), each request recorded (its arrival, send and answer on
-  ``time.perf_counter``'s clock, its status): latencies count from the arrival, 200s and 503s
-  apart, and ``events`` is the run's timeline; ``rate x TIMELINE_CONNECTION_S`` threads, 80-130 us
-  of CPU a request (each wake-up a thread's).
+* paced (the default): one thread, ``rate x CONNECTION_S`` connections, which by Little's law are
+  all busy only when the mean latency passes 250 ms. The Lua callbacks do not say which
+  connection they serve, so a send is not paired with its answer: statuses are counted by code,
+  and latencies are wrk's histogram of every answer, from its actual send (wrk adds, below each
+  answer slower than twice a connection's mean interval, samples an interval apart: its own
+  correction for the sends that connection held back);
+* ``timeline=True``: one connection a thread (``rate x TIMELINE_CONNECTION_S``), whose
+  ``delay()``, ``request()`` and ``response()`` then follow each other: each request is recorded
+  (its arrival, send and answer on the clock of Python's ``time.perf_counter``, its status), its
+  latency counts from its arrival (200s and 503s apart), and ``events`` is the run's timeline.
+  Each connection has its own arrivals, 10 a second on average: one that comes while it waits for
+  an answer is sent late, its wait counted. Threads' wake-ups cost more: about 2.5 times the CPU a
+  request (0.31-0.34 cores at 1,800-2,500 requests/s, against 0.11-0.14 paced and 0.64-0.77 for
+  the Python client, on a busy machine).
 
 A request in flight when wrk stops is not counted.
 
@@ -45,7 +47,9 @@ from benchmarks.load import LoadResult, latency_percentiles
 from benchmarks.traffic import Traffic
 from benchmarks.wrk import READ_REQUESTS, WrkProcess, mean_items
 
-CONNECTION_S = 0.1  # connections per request/s: a 50 ms latency bound, twice over
+# connections per request/s: paced, sockets of one thread, all busy only when the mean latency
+# passes 250 ms (2.5 admission targets); with a timeline a thread each, every 100 ms on average
+CONNECTION_S, TIMELINE_CONNECTION_S = 0.25, 0.1
 MIN_CONNECTIONS, MAX_CONNECTIONS = 2, 512
 LATE_S = 0.01  # a send this much after its schedule is late (wrk's timers have 1 ms steps)
 START_S = 0.1  # from wrk's start to the first arrival: its threads are made one after another
@@ -167,9 +171,11 @@ end
 """.replace("LATE_S", repr(LATE_S))
 
 
-def connections_for(rate: float) -> int:
-    """Enough connections that each sends every ``CONNECTION_S`` seconds on average."""
-    return min(MAX_CONNECTIONS, max(MIN_CONNECTIONS, math.ceil(rate * CONNECTION_S)))
+def connections_for(rate: float, timeline: bool = False) -> int:
+    """Enough connections that each sends every ``CONNECTION_S`` seconds on average
+    (``TIMELINE_CONNECTION_S`` with a timeline)."""
+    share = TIMELINE_CONNECTION_S if timeline else CONNECTION_S
+    return min(MAX_CONNECTIONS, max(MIN_CONNECTIONS, math.ceil(rate * share)))
 
 
 class WrkBackgroundLoad:
@@ -194,7 +200,7 @@ class WrkBackgroundLoad:
         self._run: WrkProcess | None = None
 
     def __enter__(self) -> "WrkBackgroundLoad":
-        connections = connections_for(self.rate)
+        connections = connections_for(self.rate, self.timeline)
         threads = connections if self.timeline else 1
         self.start_at = time.perf_counter() + START_S + START_S_PER_THREAD * threads
         arguments = (f"{self.rate / threads!r}", str(self.seed), str(threads), f"{self.start_at:.6f}",

@@ -87,7 +87,7 @@ def test_a_rate_the_server_cannot_keep_shows_as_late_sends_counted_from_their_sc
         return web.Response(body=b"{}")
 
     # 10 connections (100/s x 100 ms), each answered after 250 ms: 40 requests/s at most
-    assert connections_for(100) == 10
+    assert connections_for(100, timeline=True) == 10
     result = run_wrk_open(serve(answer), {}, TRAFFIC, rate=100, duration_s=1, timeline=True)
     assert result.achieved_rps < 60 and result.late_sends > 10
     # the k-th arrival (due at k/100 s) goes out near k/40 s: its latency counts from k/100 s
