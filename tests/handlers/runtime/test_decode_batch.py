@@ -107,6 +107,19 @@ def _scores(response):
     return torch.from_numpy(scores)
 
 
+def _assert_laid_out_as_coalesced(part, alone: list, schema) -> None:
+    """``part``'s tensors are exactly the requests' decoded ``alone`` and coalesced."""
+    reference = coalesce(alone, schema.tags)
+    together = coalesce([part.inputs], schema.tags)
+    for name, want in reference.items():
+        got = together[name]
+        if isinstance(want, JaggedIds):
+            assert torch.equal(got.lengths, want.lengths) and torch.equal(got.values, want.values)
+            assert torch.equal(got.weights, want.weights)
+        else:
+            assert torch.equal(got, want), name
+
+
 def test_consecutive_items_requests_become_one_part_laid_out_as_coalesced(ranker_spec):
     """Three items-form requests decode to one part whose tensors are exactly the three requests
     decoded alone and coalesced; a v2 body between them splits the run."""
@@ -117,15 +130,7 @@ def test_consecutive_items_requests_become_one_part_laid_out_as_coalesced(ranker
     assert not batch.refused and len(batch.parts) == 1
     (part,) = batch.parts
     assert part.positions == [0, 1, 2] and part.inputs.counts == (3, 1, 2)
-    reference = coalesce([service_decoder.decode(r).inputs for r in requests], schema.tags)
-    together = coalesce([part.inputs], schema.tags)
-    for name, want in reference.items():
-        got = together[name]
-        if isinstance(want, JaggedIds):
-            assert torch.equal(got.lengths, want.lengths) and torch.equal(got.values, want.values)
-            assert torch.equal(got.weights, want.weights)
-        else:
-            assert torch.equal(got, want), name
+    _assert_laid_out_as_coalesced(part, [service_decoder.decode(r).inputs for r in requests], schema)
 
     client = ScoringClient(schema.model, schema, rest_url="http://127.0.0.1")
     tensors = BinaryBody(*encode_request(client.tensors(requests[1]["items"], requests[1]["context"])))
@@ -147,14 +152,6 @@ def test_consecutive_columnar_requests_become_one_part_laid_out_as_coalesced(ran
     assert not batch.refused and len(batch.parts) == 1
     (part,) = batch.parts
     assert part.positions == [0, 1, 2] and part.inputs.counts == (3, 1, 2)
-    reference = coalesce([decoder.decode(r).inputs for r in requests], schema.tags)
-    together = coalesce([part.inputs], schema.tags)
-    for name, want in reference.items():
-        got = together[name]
-        if isinstance(want, JaggedIds):
-            assert torch.equal(got.lengths, want.lengths) and torch.equal(got.values, want.values)
-            assert torch.equal(got.weights, want.weights)
-        else:
-            assert torch.equal(got, want), name
+    _assert_laid_out_as_coalesced(part, [decoder.decode(r).inputs for r in requests], schema)
     split = decoder.decode_batch([requests[0], sent[1], requests[2]], max_items=4096)
     assert [p.positions for p in split.parts] == [[0], [1], [2]]
