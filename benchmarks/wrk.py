@@ -141,8 +141,8 @@ class WrkProcess:
                 now = time.monotonic()
                 if now > started + INTERRUPT_TIMEOUT_S:
                     raise RuntimeError(f"wrk did not stop within {INTERRUPT_TIMEOUT_S} s of SIGINT")
-                if now >= signalled + 1.0:
-                    self.process.send_signal(signal.SIGINT)
+                if now >= signalled + 1.0:  # os.kill: Popen's send_signal could reap it before wait4
+                    os.kill(self.process.pid, signal.SIGINT)
                     signalled = now
                 time.sleep(0.02)
             _, status, usage = ended
