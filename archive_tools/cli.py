@@ -26,54 +26,47 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from archive_tools import cli_args
-from archive_tools.build import build_archive
 from archive_tools.cli_args import DISTRIBUTED
-from archive_tools.model_config import ServingConfig
-from archive_tools.model_errors import ModelRaised
-from archive_tools.pipeline import VerificationFailed
-from archive_tools.delta import DeltaSource, make_delta, verify_delta
-from archive_tools.distributed import build_distributed, split_delta
-from archive_tools.launcher import LayoutFile, LocalLayout
-from archive_tools.local_server import LocalTorchServe, PortTaken, ServerDied
-from archive_tools.plugin import PluginBuildError
-from archive_tools.resources import spec_path
-from archive_tools.validation_data import ValidationDataError, read_validation
-from archive_tools.verification import Bounds, generated_validation, verify
-from handlers.loading import load_archive
-from handlers.modeling.checkpoint import read_checkpoint
-from handlers.modeling.eager import eager_service
-from handlers.modeling.errors import CheckpointError, SpecError
-from handlers.modeling.factory import DLRMFactory
-from handlers.modeling.registry import archive_spec
-from handlers.runtime.archive import Archive
-from handlers.runtime.artifacts import Artifact
-from handlers.runtime.errors import InputError
-from handlers.runtime.split import SplitPlan
+
+if TYPE_CHECKING:
+    from archive_tools.verification import Bounds
 
 # Exit codes, one per kind of failure the user can act on (2 is also argparse's, for a bad
-# command line); the first class that matches wins. Anything else is an internal error: 1.
+# command line); the first class that matches wins. Anything else is an internal error: 1. Each
+# command imports what it runs (torch, for most), so that ``serve`` and ``bench`` start without
+# it: a class is named by its module, and one whose module was never imported was never raised.
 EXIT_CODES = {
-    SpecError: 3,
-    CheckpointError: 4,
-    ValidationDataError: 5,
-    ServerDied: 6,
-    PortTaken: 6,
-    PluginBuildError: 6,
-    FileNotFoundError: 7,
-    FileExistsError: 7,
-    VerificationFailed: 8,
-    ModelRaised: 9,
-    InputError: 2,
+    "handlers.modeling.errors:SpecError": 3,
+    "handlers.modeling.errors:CheckpointError": 4,
+    "archive_tools.validation_data:ValidationDataError": 5,
+    "archive_tools.local_server:ServerDied": 6,
+    "archive_tools.local_server:PortTaken": 6,
+    "archive_tools.plugin:PluginBuildError": 6,
+    "builtins:FileNotFoundError": 7,
+    "builtins:FileExistsError": 7,
+    "archive_tools.pipeline:VerificationFailed": 8,
+    "archive_tools.model_errors:ModelRaised": 9,
+    "handlers.runtime.errors:InputError": 2,
 }
 INTERNAL_ERROR = 1
 
 
+def exit_code(error: Exception) -> int:
+    """The code of the first class in ``EXIT_CODES`` that ``error`` is an instance of."""
+    for where, code in EXIT_CODES.items():
+        module, name = where.split(":")
+        kind = getattr(sys.modules.get(module), name, None)
+        if kind is not None and isinstance(error, kind):
+            return code
+    return INTERNAL_ERROR
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser(_chosen_command(argv)).parse_args(argv)
     try:
         return args.run(args)
     except KeyboardInterrupt:
@@ -81,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:
         if args.debug:
             raise
-        code = next((code for cls, code in EXIT_CODES.items() if isinstance(error, cls)), INTERNAL_ERROR)
+        code = exit_code(error)
         if code == INTERNAL_ERROR:
             first_line = (str(error).strip().splitlines() or [""])[0]
             print(
@@ -98,6 +91,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
+    from archive_tools.build import build_archive
+    from archive_tools.distributed import build_distributed
+    from archive_tools.model_config import ServingConfig
+    from archive_tools.resources import spec_path
+    from handlers.runtime.artifacts import Artifact
+    from handlers.runtime.errors import InputError
+    from handlers.runtime.split import SplitPlan
+
     if args.init == "quantized" and args.checkpoint is not None:
         raise InputError("--init quantized makes random tables; it does not read --checkpoint")
     serving = ServingConfig(
@@ -147,6 +148,12 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _delta(args: argparse.Namespace) -> int:
+    from archive_tools.delta import DeltaSource, make_delta, verify_delta
+    from archive_tools.distributed import split_delta
+    from archive_tools.pipeline import VerificationFailed
+    from handlers.runtime.archive import Archive
+    from handlers.runtime.errors import InputError
+
     with Archive.open(args.archive) as archive:
         is_dense = archive.options.remote is not None
     if is_dense:
@@ -196,6 +203,16 @@ def _verified(rows_only: bool, carries_dense: bool) -> str:
 def _verify(args: argparse.Namespace) -> int:
     """The archive, loaded as a worker loads it, against the float model of its own spec with
     the given weights, on validation data."""
+    from archive_tools.pipeline import VerificationFailed
+    from archive_tools.validation_data import read_validation
+    from archive_tools.verification import generated_validation, verify
+    from handlers.loading import load_archive
+    from handlers.modeling.checkpoint import read_checkpoint
+    from handlers.modeling.eager import eager_service
+    from handlers.modeling.factory import DLRMFactory
+    from handlers.modeling.registry import archive_spec
+    from handlers.runtime.archive import Archive
+
     with Archive.open(args.archive) as archive:
         spec = archive_spec(archive)
         factory = DLRMFactory(spec)
@@ -218,7 +235,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from archive_tools.planning import Budget, plan_tables  # imports matplotlib: only this command pays for it
+    from archive_tools.planning import Budget, plan_tables
+    from archive_tools.resources import spec_path
+    from archive_tools.verification import Bounds
+    from handlers.runtime.errors import InputError
 
     if args.max_auc_drop <= 0 or args.max_ne_increase <= 0:
         raise InputError("--max-auc-drop and --max-ne-increase: a budget must be above 0")
@@ -263,6 +283,9 @@ def _serve(args: argparse.Namespace) -> int:
         from archive_tools.asgi_engine import serve_asgi  # uvicorn and Starlette: for this engine only
 
         return serve_asgi(args)
+    from archive_tools.local_server import LocalTorchServe
+    from handlers.runtime.errors import InputError
+
     asgi_only = ("workers", "port", "grpc_port", "host", "key_file")
     given = [f"--{n.replace('_', '-')}" for n in asgi_only if getattr(args, n) is not None]
     if given:
@@ -288,6 +311,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     """A distributed layout on this machine: every host started and registered; until Ctrl-C (or
     SIGTERM: every host is stopped either way)."""
+    from archive_tools.launcher import LayoutFile, LocalLayout
+
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with LocalLayout(LayoutFile.read(args.layout)) as layout:
         for line in layout.describe():
@@ -321,7 +346,14 @@ def _spec_docs(args: argparse.Namespace) -> int:
 # -- the command line ------------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
+def _chosen_command(argv: list[str]) -> str | None:
+    """The command ``argv`` names: its first word that is not an option (``--debug`` takes no value)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def _parser(chosen: str | None) -> argparse.ArgumentParser:
+    """Every command, with the options of ``chosen`` alone: adding a command's options imports
+    what their defaults come from."""
     parser = argparse.ArgumentParser(
         prog="torchrec-serve",
         description="Build, verify, serve and benchmark TorchRec models on TorchServe.",
@@ -332,14 +364,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _command(commands, "build", _build, "build a .mar (or archive folder) from a spec", cli_args.build_args)
-    _command(commands, "verify", _verify, "check an archive against its float model", cli_args.verify_args)
-    _command(commands, "serve", _serve, "run TorchServe with the project's config", cli_args.serve_args)
-    _command(commands, "launch", _launch, "start a distributed layout here, one TorchServe per host", cli_args.launch_args)
-    _command(commands, "delta", _delta, "write a delta of changed table rows for a served archive", cli_args.delta_args)
-    _command(commands, "plan", _plan, "choose each table's dtype under an accuracy budget", cli_args.plan_args)
-    _command(commands, "bench", _bench, "run a benchmark scenario", cli_args.bench_args)
-    _command(commands, "spec-docs", _spec_docs, "regenerate spec.schema.json and SPEC.md", None)
+    _command(commands, chosen, "build", _build, "build a .mar (or archive folder) from a spec", cli_args.build_args)
+    _command(commands, chosen, "verify", _verify, "check an archive against its float model", cli_args.verify_args)
+    _command(commands, chosen, "serve", _serve, "run TorchServe with the project's config", cli_args.serve_args)
+    _command(commands, chosen, "launch", _launch, "start a distributed layout here, one TorchServe per host", cli_args.launch_args)
+    _command(commands, chosen, "delta", _delta, "write a delta of changed table rows for a served archive", cli_args.delta_args)
+    _command(commands, chosen, "plan", _plan, "choose each table's dtype under an accuracy budget", cli_args.plan_args)
+    _command(commands, chosen, "bench", _bench, "run a benchmark scenario", cli_args.bench_args)
+    _command(commands, chosen, "spec-docs", _spec_docs, "regenerate spec.schema.json and SPEC.md", None)
     return parser
 
 
@@ -354,6 +386,7 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 def _command(
     commands: argparse._SubParsersAction,
+    chosen: str | None,
     name: str,
     run: Callable[[argparse.Namespace], int],
     help_text: str,
@@ -366,12 +399,14 @@ def _command(
     parser.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
     )
-    if add_arguments is not None:
+    if add_arguments is not None and name == chosen:
         add_arguments(parser)
     parser.set_defaults(run=run)
 
 
 def _bounds(args: argparse.Namespace) -> Bounds:
+    from archive_tools.verification import Bounds
+
     return Bounds(
         max_abs_score_diff=args.max_score_diff,
         max_rel_score_diff=args.max_rel_score_diff,

@@ -1,19 +1,14 @@
 """The command line's options, by command: what ``archive_tools.cli`` parses, with every
-default shown in ``--help``."""
+default shown in ``--help``. The options whose defaults are the build's own (the serving config,
+the verification bounds, the artifact kinds) import torch to read them: this module imports them
+where those options are added, so that ``serve`` and ``bench`` start without torch."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from archive_tools.model_config import ServingConfig
-from archive_tools.pipeline import ARCHIVE_FORMATS
-from archive_tools.verification import Bounds
-from handlers.runtime.artifacts import Artifact
-from handlers.runtime.split import DENSE_ARTIFACTS, DEVICES, SPARSE_ARTIFACTS, SplitPlan
-
-# What --artifact builds as one archive; ``distributed`` builds a layout's (archive_tools.distributed).
-BUILT_ALONE = (Artifact.EAGER, Artifact.EXPORTED, Artifact.AOTI, Artifact.SPLIT)
+# ``--artifact distributed`` builds a layout's archives (archive_tools.distributed).
 DISTRIBUTED = "distributed"
 
 
@@ -53,6 +48,11 @@ def delta_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_args(parser: argparse.ArgumentParser) -> None:
+    from archive_tools.pipeline import ARCHIVE_FORMATS
+    from handlers.runtime.artifacts import Artifact
+    from handlers.runtime.split import DENSE_ARTIFACTS, DEVICES, SPARSE_ARTIFACTS, SplitPlan
+
+    built_alone = (Artifact.EAGER, Artifact.EXPORTED, Artifact.AOTI, Artifact.SPLIT)  # one archive each
     parser.add_argument(
         "--spec", required=True, help="model spec: a YAML file, or a shipped spec's name (criteo)"
     )
@@ -68,7 +68,7 @@ def build_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--artifact",
-        choices=[a.value for a in BUILT_ALONE] + [DISTRIBUTED],
+        choices=[a.value for a in built_alone] + [DISTRIBUTED],
         default=Artifact.EAGER.value,
         help="what the archive serves: aoti (AOTInductor package), exported (torch.export program), "
         "eager (TorchRec modules on memory-mapped weights), split (a sparse and a dense part, "
@@ -115,6 +115,8 @@ def build_args(parser: argparse.ArgumentParser) -> None:
 
 def serving_args(parser: argparse.ArgumentParser) -> None:
     """TorchServe's settings and ours, written to the archive's model-config.yaml."""
+    from archive_tools.model_config import ServingConfig
+
     parser.add_argument(
         "--batch-size", type=int, default=ServingConfig.batch_size,
         help="TorchServe batchSize: requests coalesced into one forward at most",
@@ -161,6 +163,8 @@ def verify_args(parser: argparse.ArgumentParser) -> None:
 
 
 def verification_args(parser: argparse.ArgumentParser) -> None:
+    from archive_tools.verification import Bounds
+
     parser.add_argument(
         "--validation",
         type=Path,

@@ -1,13 +1,16 @@
 """The commands: inconsistent split options refused before building anything, an unzipped
 archive replaced whole, failures as one line with a code per kind."""
 
+import importlib
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 import yaml
 
-from archive_tools.cli import main
+from archive_tools.cli import EXIT_CODES, main
 from handlers.modeling.registry import load_spec
 from handlers.modeling.spec import Pooling, ShardingSpec, ShardingType, WeightDtype
 from handlers.runtime.artifacts import Artifact
@@ -204,7 +207,7 @@ def test_an_unexpected_error_is_an_internal_error_not_a_usage_error(tmp_path, ca
     def broken(*args, **kwargs):
         raise ValueError("operands could not be broadcast together\nwith shapes (3,) (4,)")
 
-    monkeypatch.setattr("archive_tools.cli.build_archive", broken)
+    monkeypatch.setattr("archive_tools.build.build_archive", broken)  # the command imports it as it runs
     assert build(["--spec", "tiny", "--model-store", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
@@ -213,6 +216,27 @@ def test_an_unexpected_error_is_an_internal_error_not_a_usage_error(tmp_path, ca
     ]
     with pytest.raises(ValueError, match="operands"):
         main(["build", "--debug", "--spec", "tiny", "--model-store", str(tmp_path)])
+
+
+def test_every_exit_code_names_an_exception_class():
+    """The codes name their classes by module (a command imports what it runs): each name must
+    still be a class of exception there, or its failures would read as internal errors."""
+    for where in EXIT_CODES:
+        module, name = where.split(":")
+        kind = getattr(importlib.import_module(module), name, None)
+        assert isinstance(kind, type) and issubclass(kind, Exception), where
+
+
+def test_serve_and_bench_start_without_torch():
+    """The command line is imported again by each process of an asgi server (uvicorn spawns them,
+    and each imports what its app needs), and ``bench`` runs the benchmarks in a process of their
+    own: parsing either command imports no torch (seconds of CPU per process)."""
+    program = (
+        "import sys; from archive_tools import cli; "
+        "[cli._parser(c).parse_args([c, 'x']) for c in ('serve', 'bench')]; print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stderr
 
 
 def test_the_projects_own_errors_keep_their_exit_codes(tmp_path, capsys):
