@@ -3,10 +3,12 @@ collects them (``batchSize``, ``maxBatchDelay`` of the archive's ``model-config.
 handed whole to ``ScoringService.handle`` on the process's forward thread.
 
 A batch starts with the first request to arrive; the collector then takes what arrives until the
-batch holds ``batch_size`` requests or ``max_delay_ms`` have passed since its first, and runs it
-off the event loop. Every model of a process shares one forward thread: one forward at a time.
+batch holds ``batch_size`` requests, ``max_delay_ms`` have passed since its first, or no request
+can arrive before one is answered (``cannot_grow``: every client connection waits on an answer,
+``connections.py``), and runs it off the event loop. Every model of a process shares one forward
+thread: one forward at a time.
 
-    batcher = Batcher(service_handle, BatchPolicy(batch_size=8, max_delay_ms=5), forwards, rule)
+    batcher = Batcher(service_handle, BatchPolicy(batch_size=8, max_delay_ms=5), forwards, rule, cannot_grow)
     batcher.start()                        # inside the running event loop
     response = await batcher.submit(arrival)   # Response; raises ServiceUnavailable when shed
 """
@@ -51,6 +53,7 @@ class BatchPolicy:
 
 class Batcher:
     """``handle``: a batch of arrivals -> one response each, in order (run on ``forwards``);
+    ``cannot_grow``: True when no request can arrive before one is answered (a batch stops waiting);
     ``started``: told, as a batch starts, how long (s) each of its requests waited."""
 
     def __init__(
@@ -59,12 +62,14 @@ class Batcher:
         policy: BatchPolicy,
         forwards: Executor,
         admission: AdmissionRule,
+        cannot_grow: Callable[[], bool] = lambda: False,
         started: Callable[[list[float]], None] = lambda waited_s: None,
     ) -> None:
         self.handle = handle
         self.policy = policy
         self.forwards = forwards
         self.admission = admission
+        self.cannot_grow = cannot_grow
         self.started = started
         self.batches: collections.Counter[int] = collections.Counter()  # requests in a batch -> batches
         self._queue: collections.deque[tuple[Arrival, asyncio.Future, float]] = collections.deque()
@@ -123,15 +128,17 @@ class Batcher:
             for (_, answered, _), response in zip(batch, responses):
                 if not answered.done():  # its client may have gone
                     answered.set_result(response)
+            await asyncio.sleep(0)  # the answered requests' routes run first: their clients no longer wait
 
     async def _fill(self, batch: list, deadline: float) -> list[tuple[Arrival, asyncio.Future, float]]:
-        """Takes arrivals into ``batch`` until it is full or ``deadline`` (monotonic s) passes."""
+        """Takes arrivals into ``batch`` until it holds ``batch_size``, ``deadline`` (monotonic s)
+        passes, or none can arrive (``cannot_grow``)."""
         while len(batch) < self.policy.batch_size:
             if self._queue:
                 batch.append(self._queue.popleft())
                 continue
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or self.cannot_grow():
                 break
             self._arrived.clear()
             try:

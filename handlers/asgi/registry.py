@@ -23,6 +23,7 @@ import orjson
 
 from handlers.asgi.admission import AdmissionRule
 from handlers.asgi.batcher import Batcher, BatchPolicy
+from handlers.asgi.connections import CONNECTIONS
 from handlers.asgi.metrics import EngineMetrics, ModelMetrics
 from handlers.loading import load_service
 from handlers.runtime.archive import Archive
@@ -125,7 +126,9 @@ def load_model(folder: Path, forwards: Executor, metrics: EngineMetrics | None =
     )
     counted = metrics.model(name, version) if metrics is not None else None
     handle = functools.partial(_handle, service, counted)
-    batcher = Batcher(handle, policy, forwards, rule, counted.queued if counted else lambda waited_s: None)
+    batcher = Batcher(
+        handle, policy, forwards, rule, CONNECTIONS.all_waiting, counted.queued if counted else lambda waited_s: None
+    )
     logger.info(
         "loaded model %s version %s from %s, running %s in %.2fs (batch %d, %g ms)",
         name, version, folder, options.describe(), time.perf_counter() - started, policy.batch_size, policy.max_delay_ms,

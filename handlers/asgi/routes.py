@@ -25,6 +25,7 @@ from starlette.responses import Response as HttpResponse
 from starlette.routing import Route
 
 from handlers.asgi.answers import answer, json_answer, refusal
+from handlers.asgi.connections import CONNECTIONS
 from handlers.asgi.metadata import model_metadata
 from handlers.asgi.metrics import scrape
 from handlers.asgi.registry import ModelRegistry, ServedModel
@@ -45,7 +46,9 @@ async def _infer(request: Request, v2: bool) -> HttpResponse:
     try:
         model = _model(request)
         arrival = await _arrival(request, model.service.schema.limits.max_request_bytes)
-        return answer(await model.batcher.submit(arrival))
+        with CONNECTIONS.waiting():
+            response = await model.batcher.submit(arrival)
+        return answer(response)
     except PayloadTooLarge as error:
         return refusal(error, v2=False)
     except ServingError as error:

@@ -2,12 +2,14 @@
 ``torchrec-serve serve --engine asgi`` as a subprocess on a free loopback port, checked against
 the same archives loaded in this process (``tests.helpers.archive_service``): the v2 protocol for
 the project's client and Triton's, its probes and statistics behind keys, a chunked body over the
-limit, admission's 503s. One server for the module (one process).
+limit, admission's 503s, a batch that stops waiting once every connection waits on it. One server
+for the module (one process).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,22 +34,26 @@ pytestmark = pytest.mark.integration
 BATCH_SIZE = 8
 MAX_BATCH_DELAY_MS = 50  # long enough that concurrent requests land in one batch
 GUARDED = "tiny_guarded"  # one request per batch, a 1 ms wait target: a second request waiting is shed
+PATIENT = "tiny_patient"  # batches of 8 that wait up to PATIENT_DELAY_MS to fill
+PATIENT_DELAY_MS = 2000
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    """tiny.mar and tiny_guarded.mar (admission)."""
+    """tiny.mar, tiny_guarded.mar (admission) and tiny_patient.mar (a long batch delay)."""
     store = tmp_path_factory.mktemp("asgi") / "model_store"
     serving = ServingConfig(batch_size=BATCH_SIZE, max_batch_delay_ms=MAX_BATCH_DELAY_MS)
     build_archive(TINY_SPEC, checkpoint=None, seed=0, name="tiny", version="1.0", model_store=store, serving=serving)
     build_archive(TINY_SPEC, checkpoint=None, seed=0, name=GUARDED, version="1.0", model_store=store,
                   serving=ServingConfig(batch_size=1, max_batch_delay_ms=1, max_queue_wait_ms=1))
+    build_archive(TINY_SPEC, checkpoint=None, seed=0, name=PATIENT, version="1.0", model_store=store,
+                  serving=ServingConfig(batch_size=BATCH_SIZE, max_batch_delay_ms=PATIENT_DELAY_MS))
     return store
 
 
 @pytest.fixture(scope="module")
 def server(store, tmp_path_factory):
-    server = AsgiServer(store, ["tiny.mar", f"{GUARDED}.mar"], 1, tmp_path_factory.mktemp("asgi-server"))
+    server = AsgiServer(store, ["tiny.mar", f"{GUARDED}.mar", f"{PATIENT}.mar"], 1, tmp_path_factory.mktemp("asgi-server"))
     yield server
     server.stop()
 
@@ -64,12 +70,6 @@ def _in_process(service: ScoringService, body: bytes | str | dict, content_type:
     arrival = Arrival(None if form else data, content_type, headers.get("encoding"), headers.get("header_length"))
     response = service.handle([arrival]).responses[0]
     return response.status, response.body
-
-
-
-
-
-
 
 
 def test_v2_json_binary_and_triton_clients(server, store, reference, tiny_spec):
@@ -161,3 +161,31 @@ def test_requests_over_the_wait_target_get_a_fast_503(server, tiny_spec):
     # (a latency comparison flaked on a loaded machine: the speed of a 503 is a benchmark's figure)
     forwarded = sum(size * count for size, count in server.stats(GUARDED).items()) - before
     assert forwarded == 1 + len(served), (forwarded, len(served), len(shed))
+
+
+def test_a_batch_stops_waiting_once_every_open_connection_waits_on_it(server, tiny_spec):
+    """Three keep-alive clients, each request on its own connection: the third to arrive leaves no
+    connection that could bring a fourth, so the batch of three runs at once rather than after
+    the archive's 2 s delay. With a fourth connection open and idle, the batch waits the delay out."""
+    request = items_request(tiny_spec, 2, seed=4)
+    url = f"{server.url}/predictions/{PATIENT}"
+
+    def batch_of(clients: int, idle: int) -> float:
+        """Seconds until ``clients`` concurrent requests are answered, ``idle`` more connections open."""
+        before = server.stats(PATIENT)  # first: its connection closes, so none but the sessions' are open
+        sessions = [requests.Session() for _ in range(clients + idle)]
+        for session in sessions:
+            assert session.get(f"{server.url}/ping", timeout=10).status_code == 200  # its connection, kept open
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=clients) as pool:
+            answers = list(pool.map(lambda s: s.post(url, json=request, headers=server.auth, timeout=30), sessions[:clients]))
+        elapsed = time.monotonic() - started
+        assert [a.status_code for a in answers] == [200] * clients, [a.text for a in answers]
+        formed = {size: count - before.get(size, 0) for size, count in server.stats(PATIENT).items()}
+        assert {size: n for size, n in formed.items() if n} == {clients: 1}, formed  # one batch of them all
+        for session in sessions:
+            session.close()
+        return elapsed
+
+    assert batch_of(3, idle=0) < PATIENT_DELAY_MS / 1000 / 2
+    assert batch_of(3, idle=1) >= PATIENT_DELAY_MS / 1000
