@@ -4,7 +4,8 @@ plugin's (``archive_tools/plugin/java/.../AdmissionQueue.java``), for one proces
 
 * the queue measures its batches: the time from taking a batch's first request to coming back
   for the next one while requests wait (all of it work), and that time per request in the batch,
-  each averaged exponentially (0.8 old, 0.2 new);
+  each the median of the last ``RECENT_BATCHES`` (one batch a pause of the machine held does not
+  move it, where an average inflated the wait predicted for the requests queued behind the pause);
 * a request arriving behind ``n`` waiting ones would wait about the lesser of ``(n + 1) x request
   time`` and ``ceil((n + 1) / batch size) x batch time`` (after one slow batch of few requests the
   per-request time is inflated; whole batches keep a short queue from being shed);
@@ -19,11 +20,14 @@ plugin's (``archive_tools/plugin/java/.../AdmissionQueue.java``), for one proces
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import statistics
 
 MIN_TARGET_S = 0.100  # a closed loop of clients on an unbatched model is not shed
 QUEUE_CAPACITY = 1000  # the project's TorchServe config: job_queue_size
+RECENT_BATCHES = 15  # the measurements a median is taken over
 
 
 @dataclasses.dataclass
@@ -36,12 +40,16 @@ class AdmissionRule:
     capacity: int = QUEUE_CAPACITY
     batch_s: float = 0.0  # measured; 0: not yet
     request_s: float = 0.0
+    _batches: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=RECENT_BATCHES))
+    _requests: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=RECENT_BATCHES))
 
     def measured(self, elapsed_s: float, requests: int) -> None:
         """A batch of ``requests`` took ``elapsed_s`` while others waited behind it."""
         if requests > 0:
-            self.batch_s = _average(self.batch_s, elapsed_s)
-            self.request_s = _average(self.request_s, elapsed_s / requests)
+            self._batches.append(elapsed_s)
+            self._requests.append(elapsed_s / requests)
+            self.batch_s = statistics.median_high(self._batches)
+            self.request_s = statistics.median_high(self._requests)
 
     @property
     def target_s(self) -> float:
@@ -70,6 +78,3 @@ class AdmissionRule:
             f"({source}); retry with backoff"
         )
 
-
-def _average(current: float, sample: float) -> float:
-    return sample if current == 0 else 0.8 * current + 0.2 * sample

@@ -157,8 +157,12 @@ def test_scores_are_rest_s_the_archive_s_and_the_float_model_s(server, store, st
 
 
 def test_grpc_and_rest_requests_share_one_batch(server, stub, keyed, tiny_spec):
-    """PATIENT's batch of 8 fills within its 500 ms only if both transports feed one queue."""
+    """PATIENT's batch of 8 fills within its 500 ms only if both transports feed one queue. An
+    idle HTTP connection stays open meanwhile: with every open HTTP connection waiting on the
+    batch, it would run without waiting for the gRPC calls (connections.py)."""
     before = server.stats(PATIENT)
+    idle = requests.Session()
+    assert idle.get(f"{server.url}/ping", timeout=10).status_code == 200
     requests_ = [items_request(tiny_spec, 1 + k, seed=50 + k, max_bag=4) for k in range(PATIENT_BATCH // 2)]
     arrays = [_arrays(tiny_spec, r) for r in requests_]
     with ThreadPoolExecutor(max_workers=len(arrays)) as pool:
@@ -168,6 +172,7 @@ def test_grpc_and_rest_requests_share_one_batch(server, stub, keyed, tiny_spec):
     for answer, expected in zip([f.result() for f in over_grpc], rest):
         assert np.frombuffer(answer.raw_output_contents[0], "<f4").tolist() == pytest.approx(expected, abs=1e-6)
     formed = {size: count - before.get(size, 0) for size, count in server.stats(PATIENT).items()}
+    idle.close()
     assert {size: count for size, count in formed.items() if count} == {PATIENT_BATCH: 1}
 
 

@@ -2,6 +2,7 @@ package org.torchrecserve.plugin;
 
 import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
+import java.util.Arrays;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
@@ -20,7 +21,8 @@ import org.pytorch.serve.wlm.Model;
  * their batches from here, and every inference request is offered here first.
  *
  * <p>The queue measures its workers: each worker's batch time (from taking a batch to coming back
- * for the next while requests wait) and the time per request in it. A request arriving when {@code
+ * for the next while requests wait) and the time per request in it, each the median of the last
+ * {@link RecentTimes#SAMPLES} batches. A request arriving when {@code
  * n} requests wait would wait about {@code n x request time / ready workers} (or the batches of
  * the model's batch size those make, whichever is less: {@link #predictedWaitNs}); it is answered
  * at once with a 503 when that exceeds the target, so that accepted requests wait about one target at
@@ -49,12 +51,37 @@ final class AdmissionQueue extends LinkedBlockingDeque<Job> {
         }
     }
 
+    /**
+     * The median of the last {@code SAMPLES} measurements. A batch that a pause of the machine held
+     * for 200 ms leaves it where it was; an average weighting it by a fifth (as this queue kept
+     * before) tripled the predicted wait of the requests that queued behind that pause, just as
+     * the queue was longest, and shed them (the 503s of a 10-minute soak at a fraction of the
+     * capacity). A lasting change moves it within half the window's batches.
+     */
+    private static final class RecentTimes {
+        static final int SAMPLES = 15;
+        private final double[] samples = new double[SAMPLES];
+        private int count;
+        private int next;
+
+        synchronized double add(double sample) {
+            samples[next] = sample;
+            next = (next + 1) % SAMPLES;
+            count = Math.min(count + 1, SAMPLES);
+            double[] sorted = Arrays.copyOf(samples, count); // the filled ones: [0, count) until it wraps
+            Arrays.sort(sorted);
+            return sorted[count / 2];
+        }
+    }
+
     final Model model;
     final String label;
     volatile GuardSettings settings; // the archive's, or a register call's (Guard.queue)
     private final int capacity;
     private final Map<Thread, Batch> batches = new ConcurrentHashMap<>();
-    private volatile double batchNs; // measured, exponentially averaged; 0: not yet
+    private final RecentTimes batchTimes = new RecentTimes();
+    private final RecentTimes requestTimes = new RecentTimes();
+    private volatile double batchNs; // measured (RecentTimes); 0: not yet
     private volatile double requestNs;
     private volatile int readyWorkers = 1; // set by the Guard
     private final AtomicInteger idleWorkers = new AtomicInteger(); // waiting for a batch's first request
@@ -159,8 +186,8 @@ final class AdmissionQueue extends LinkedBlockingDeque<Job> {
             if (previous != null && previous.requests > 0 && !isEmpty()) {
                 // requests waited while this worker ran its last batch: all that time was work
                 double elapsed = System.nanoTime() - previous.startNs;
-                batchNs = average(batchNs, elapsed);
-                requestNs = average(requestNs, elapsed / previous.requests);
+                batchNs = batchTimes.add(elapsed);
+                requestNs = requestTimes.add(elapsed / previous.requests);
             }
         }
         Job job;
@@ -182,10 +209,6 @@ final class AdmissionQueue extends LinkedBlockingDeque<Job> {
             }
         }
         return job;
-    }
-
-    private static double average(double current, double sample) {
-        return current == 0 ? sample : 0.8 * current + 0.2 * sample;
     }
 
     @Override
