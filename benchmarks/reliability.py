@@ -15,7 +15,9 @@ Writes ``benchmarks/results/SCENARIO/reliability.json`` (the keys below), ``summ
 * ``soak_s``, ``soak_requests``, ``soak_errors``, ``soak_rss_growth_pct``: an open loop (wrk) at
   ``soak_share`` of the max load (70%); RSS of the frontend and workers, after the first tenth
   against the end; ``soak_client_cpu_cores``, ``soak_achieved_rps``, ``soak_late_sends``: its
-  client's CPU and how well it kept the rate;
+  client's CPU and how well it kept the rate; ``soak_machine_stalls``,
+  ``soak_machine_stalls_over_100ms``, ``soak_machine_stall_max_ms``: the stalls of the machine
+  itself meanwhile (``benchmarks.stalls``: 20 ms and more), which queue requests behind them;
 * ``kill_worker_failed_requests``, ``kill_worker_inflight``, ``kill_worker_recovery_s``: one of two
   workers killed with SIGKILL under load; failed requests against those in flight when the death
   showed (sent before its first failed answer, answered after the kill); recovery: kill -> both
@@ -70,6 +72,7 @@ from benchmarks.load import LoadResult
 from benchmarks.memory import model_workers
 from benchmarks.poisoned import build_lenient, poisoned_load
 from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS
+from benchmarks.stalls import MachineStalls
 from benchmarks.reliability_report import plot, summary
 from benchmarks.traffic import Traffic, TrafficModel
 from benchmarks.wrk import run_wrk
@@ -297,7 +300,7 @@ def max_load(url: str, auth: dict, traffic: Traffic, seconds: float, step: float
 
 def _soak(server: LocalTorchServe, url: str, auth: dict, traffic: Traffic, rate: float, seconds: float) -> dict:
     """wrk's open loop at ``rate`` for ``seconds``; its p99 is of every answer (wrk's histogram)."""
-    with WrkBackgroundLoad(url, auth, traffic, rate, max_s=seconds + 60) as load:
+    with MachineStalls() as stalls, WrkBackgroundLoad(url, auth, traffic, rate, max_s=seconds + 60) as load:
         time.sleep(seconds / 10)
         early = _server_rss_mib(server)
         time.sleep(seconds * 9 / 10)
@@ -316,6 +319,9 @@ def _soak(server: LocalTorchServe, url: str, auth: dict, traffic: Traffic, rate:
         "soak_late_sends": result.late_sends,
         "soak_rss_mib": [early, late],
         "soak_rss_growth_pct": 100 * (late - early) / early,
+        "soak_machine_stalls": len(stalls.found),
+        "soak_machine_stalls_over_100ms": sum(1 for _, late_s in stalls.found if late_s >= 0.1),
+        "soak_machine_stall_max_ms": 1000 * max((late_s for _, late_s in stalls.found), default=0.0),
     }
 
 
