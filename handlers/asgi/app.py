@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +29,7 @@ from handlers.asgi.engine_state import EngineState
 from handlers.asgi.management import MANAGEMENT_ROUTES, Management
 from handlers.asgi.metrics import EngineMetrics, read_every
 from handlers.asgi.reconcile import Reconciler
-from handlers.asgi.registry import ModelRegistry
+from handlers.asgi.registry import ModelRegistry, freeze_loaded
 from handlers.asgi.routes import ROUTES
 
 ENGINE_ENV = "TORCHREC_SERVE_ASGI"
@@ -77,8 +76,7 @@ def create_app(settings: EngineSettings, loaded: Callable[[], None] = lambda: No
         forwards = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")  # one forward at a time
         metrics = EngineMetrics()
         models = ModelRegistry.load(settings.folders, forwards, metrics)
-        gc.collect()
-        gc.freeze()  # the loaded objects out of the collector's walks (as the TorchServe adapter does)
+        freeze_loaded()
         app.state.models = models
         for model in models.models:
             model.batcher.start()

@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 from handlers.asgi.engine_state import EngineState, Wanted
 from handlers.asgi.metrics import EngineMetrics, read_every
-from handlers.asgi.registry import ModelRegistry, ServedModel, load_model
+from handlers.asgi.registry import ModelRegistry, ServedModel, freeze_loaded, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class Reconciler:
     async def load(self, folder: Path) -> ServedModel:
         load = functools.partial(load_model, folder, self.forwards, self.metrics)
         model = await asyncio.get_running_loop().run_in_executor(None, load)
+        freeze_loaded()
         self.models.add(model)
         model.batcher.start()
         if model.read_raw_ids is not None:  # a raw-id model's counts, read as at start (app.py)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import time
 from concurrent.futures import Executor
@@ -38,6 +39,14 @@ from handlers.runtime.wire.messages import Response
 from handlers.runtime.wire.transport import Arrival
 
 logger = logging.getLogger(__name__)
+
+
+def freeze_loaded() -> None:
+    """The objects of the models loaded so far out of the collector's walks (``gc.freeze``, as
+    the TorchServe adapter does): left in its oldest generation, a full collection walked them
+    every half second under load, 40-55 ms each, the p99 of one-item requests at c=32."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclasses.dataclass
