@@ -33,7 +33,7 @@ from handlers.runtime.id_buckets import is_index
 from handlers.runtime.inputs import BatchKind, InputTag, JaggedIds, is_slot_map
 from handlers.runtime.quiet import quieter
 from handlers.runtime.slot_maps import SlotMap, part_names
-from handlers.runtime.torch_internals import kept_as_constants
+from handlers.runtime.torch_internals import kept_as_constants, load_package
 
 # torch's own pytree code, when a program is saved or compiled, trips its own deprecation warning.
 _PYTREE_DEPRECATION = (r"`isinstance\(treespec, LeafSpec\)` is deprecated",)
@@ -127,7 +127,7 @@ def compile_aoti(
                 },
             )
         )
-    constants = set(torch._inductor.aoti_load_package(str(package)).get_constant_fqns())
+    constants = set(load_package(package).get_constant_fqns())
     # but a raw-id remap's bucket index, which a worker makes from its sorted ids (id_buckets.derived_constants)
     weights = {name: package_constant(state, name) for name in constants if not is_index(name)}
     missing = [name for name, tensor in weights.items() if tensor is None]

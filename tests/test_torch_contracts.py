@@ -5,13 +5,16 @@ the assumption it checks, so a torch upgrade that breaks one fails here by name.
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
 
 import torch
 
 from archive_tools.export import compile_aoti
 from handlers.runtime.archive_files import aoti_weights_file
 from handlers.runtime.artifacts import CompiledPackage
-from handlers.runtime.torch_internals import kept_as_constants, run_package
+from handlers.runtime.torch_internals import AOTI_FOLDERS, kept_as_constants, load_package, run_package
 
 
 class _SmallBias(torch.nn.Module):
@@ -71,3 +74,24 @@ def test_the_aoti_loader_takes_user_managed_constants_and_runs_flat_tensors(tmp_
     with torch.no_grad():
         loaded.active["linear.bias"].add_(2.0)  # in place: not copied into the container
     torch.testing.assert_close(loaded(x), before + 2.0, rtol=0, atol=1e-6)
+
+
+def test_a_load_removes_the_extractions_of_processes_that_are_gone(tmp_path):
+    """The loader unpacks a package that holds TorchRec's TBE objects under TMPDIR (load_package
+    points it at AOTI_FOLDERS/PID) and removes it only when freed, which a killed process (a
+    TorchServe worker at every stop) never does; a package without such objects leaves nothing.
+    A load removes the folders of processes that are gone, keeps its own and restores TMPDIR."""
+    model = _SmallBias().eval()
+    x = torch.randn(2, 4)
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("n", min=2, max=64)},))
+    package = compile_aoti(program, tmp_path / "model_aoti.pt2")
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+    left = AOTI_FOLDERS / str(gone) / "aotinductor_killed"
+    left.mkdir(parents=True)
+    (left / "model.so").write_bytes(b"\0" * 1024)
+    tmpdir = os.environ.get("TMPDIR")
+    loaded = load_package(package)
+    assert set(loaded.get_constant_fqns()) == {"linear.weight", "linear.bias"}
+    assert not left.parent.exists() and (AOTI_FOLDERS / str(os.getpid())).is_dir()
+    assert os.environ.get("TMPDIR") == tmpdir

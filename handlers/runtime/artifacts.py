@@ -34,7 +34,7 @@ from handlers.runtime.freshness.dense import is_table_constant
 from handlers.runtime.id_buckets import derived_constants, is_index
 from handlers.runtime.inputs import RAW_ID_COUNTER, InputTag
 from handlers.runtime.quiet import quieter
-from handlers.runtime.torch_internals import run_package
+from handlers.runtime.torch_internals import load_package, run_package
 
 # A loaded model, whatever its artifact: the coalesced batch -> logits [N, 1].
 Runner = Callable[[Batch], torch.Tensor]
@@ -80,11 +80,8 @@ class CompiledPackage:
     """
 
     def __init__(self, path: Path, weights: Path | None = None) -> None:
-        # Imported here, by workers that serve a package only: torch._inductor costs 0.7 s to import.
-        from torch._inductor import aoti_load_package
-
         # The loader unpacks the package (TorchRec's TBE objects beside its library) for its life.
-        self.model = aoti_load_package(str(path))
+        self.model = load_package(path)
         self._lock = threading.Lock()
         names = set(self.model.get_constant_fqns())
         self.original = torch.load(weights or aoti_weights_file(path), mmap=True, weights_only=True)

@@ -13,15 +13,60 @@ by name when a torch release changes what these rely on.
   setting keys on names. So for the time of one compile, ``GraphLowering.get_attr`` keeps the
   named parameters as constants (``add_tensor_constant``, as it does for large tensors).
 
-Loading a package and handing it its constants go through the public ``aoti_load_package``.
+* ``load_package``: the public ``aoti_load_package``, where its extraction goes. The loader
+  unpacks a package into a new folder under ``TMPDIR`` (``aotinductor_XXXXXX``, 1.9 MB for the
+  Criteo-shaped model), keeps it for its life (TorchRec's TBE objects are read from it) and removes
+  it when it is freed, which a killed process never does: every TorchServe stop kills its workers,
+  and each start left a folder in /tmp. Each process now extracts under a folder of its own
+  (``AOTI_FOLDERS/PID``), and a load removes the folders of processes that are gone.
+
+Handing a package its constants goes through the public loader's ``load_constants``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
+
+AOTI_FOLDERS = Path(tempfile.gettempdir()) / "torchrec-serve-aoti"  # one folder a process, by pid
+
+
+def load_package(path: Path) -> Any:
+    """``aoti_load_package(path)``, extracted under this process's folder of ``AOTI_FOLDERS``;
+    the folders of processes no longer running are removed first."""
+    from torch._inductor import aoti_load_package  # 0.7 s to import: by processes that load one only
+
+    AOTI_FOLDERS.mkdir(exist_ok=True)
+    for folder in AOTI_FOLDERS.iterdir():
+        if folder.name.isdigit() and not _running(int(folder.name)):
+            shutil.rmtree(folder, ignore_errors=True)
+    mine = AOTI_FOLDERS / str(os.getpid())
+    mine.mkdir(exist_ok=True)
+    previous = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(mine)  # read by the loader as it extracts
+    try:
+        return aoti_load_package(str(path))
+    finally:
+        if previous is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = previous
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def run_package(package: Any, arguments: Sequence[torch.Tensor]) -> list[torch.Tensor]:
