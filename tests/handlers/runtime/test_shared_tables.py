@@ -163,6 +163,10 @@ def test_the_keeper_removes_a_copy_once_its_last_worker_is_killed_and_not_before
     workers[1].kill()
     workers[1].join()
     assert _gone_within(folder)
+    # renamed out of the way first (keeper.REMOVED_MARK), then deleted: nothing left once deleted
+    deadline = time.monotonic() + 10.0
+    while any(roots[0].iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert list(roots[0].iterdir()) == []
 
 
