@@ -263,3 +263,21 @@ def test_a_hung_worker_is_answered_for_reported_and_replaced(server, tiny_spec, 
         if psutil.pid_exists(victim):
             os.kill(victim, signal.SIGCONT)
         server.management("DELETE", "/models/hangs")
+
+
+def test_a_worker_killed_while_it_collects_a_batch_answers_the_requests_it_took(server):
+    """A worker that dies while it waits for more requests to fill a batch: TorchServe alone drops
+    the requests it had taken, answered by nobody (their clients wait for their own timeouts); the
+    plugin's queue ends the batch instead, and TorchServe answers it as a dead worker's. (Its
+    replacement is test_serving's.)"""
+    assert server.register("tiny.mar", model_name="dies", batch_size=8, max_batch_delay=4000).status_code == 200
+    victim = _ready_pids(server, "dies")[0]
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(server.predict, "dies", ONE)
+            time.sleep(1.0)  # taken by the worker, which waits up to 4 s for seven more
+            os.kill(victim, signal.SIGKILL)
+            answer = in_flight.result(timeout=30)
+        assert answer.status_code in (500, 507) and "Worker died" in answer.text, answer.text
+    finally:
+        server.management("DELETE", "/models/dies")

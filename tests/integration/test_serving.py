@@ -314,8 +314,9 @@ def test_a_killed_worker_is_replaced_and_only_its_requests_fail(engine, tiny_spe
     """SIGKILL to one of the model's two processes under an open loop: the requests it held fail
     (a connection reset on the ASGI engine, whose processes own the connections; TorchServe's
     frontend answers for its worker, "Worker died.": a 500, or the plugin's 507 where TorchServe
-    read the exit as out of memory, or, on a loaded machine, not before the client's timeout),
-    every other request is answered 200, and a new process takes its place."""
+    read the exit as out of memory; none waits for the client's timeout, as the batch a killed
+    worker was collecting did, one kill in three, before the plugin answered it), every other
+    request is answered 200, and a new process takes its place."""
     before = serving_processes(engine, "tiny", WORKERS)
     traffic = TrafficModel(items_per_request=1).generate(tiny_spec, 64, seed=2)
     with BackgroundLoad(f"{engine.url}/predictions/tiny", engine.auth, traffic, rate=60) as load:
@@ -328,6 +329,6 @@ def test_a_killed_worker_is_replaced_and_only_its_requests_fail(engine, tiny_spe
         time.sleep(0.5)
     statuses = dict(load.result.statuses)
     ok = statuses.pop("200", 0)
-    assert sum(statuses.values()) <= BATCH_SIZE and set(statuses) <= {"connection_error", "timeout", "500", "507"}, load.result.statuses
+    assert sum(statuses.values()) <= BATCH_SIZE and set(statuses) <= {"connection_error", "500", "507"}, load.result.statuses
     assert ok + sum(statuses.values()) == load.result.requests
     assert _scores(engine.post("/predictions/tiny", items_request(tiny_spec, 2, seed=3))) and engine.alive()

@@ -200,7 +200,7 @@ final class AdmissionQueue extends LinkedBlockingDeque<Job> {
             }
             batches.put(worker, new Batch(System.nanoTime()));
         } else {
-            job = super.poll(timeout, unit);
+            job = takeMore(timeout, unit);
         }
         if (job != null && Internals.isInference(job.getCmd())) {
             Batch current = batches.get(worker);
@@ -209,6 +209,23 @@ final class AdmissionQueue extends LinkedBlockingDeque<Job> {
             }
         }
         return job;
+    }
+
+    /**
+     * A later take for the batch a worker fills. TorchServe interrupts the worker's thread when its
+     * process dies (or is scaled down): thrown from here, the interrupt makes {@code Model.pollBatch}
+     * drop the requests already taken for the batch, answered by nobody, their clients waiting for
+     * their own timeouts (one in three workers killed under load here). Instead the batch ends here
+     * with the interrupt kept: the thread meets it as it sends the batch, and answers it as a dead
+     * worker's ("Worker died.").
+     */
+    private Job takeMore(long timeout, TimeUnit unit) {
+        try {
+            return super.poll(timeout, unit);
+        } catch (InterruptedException interrupted) {
+            Thread.currentThread().interrupt();
+            return null;
+        }
     }
 
     @Override
