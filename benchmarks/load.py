@@ -65,6 +65,8 @@ class LoadResult:
     late_sends: int = 0
     # every request: (sent, answered) on the perf_counter clock, and its status (BackgroundLoad)
     events: list[tuple[float, float, str]] = dataclasses.field(default_factory=list, repr=False)
+    # wrk's paced open loop: when each answer other than a 200 came (perf_counter), its status
+    refused: list[tuple[float, int]] = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def requests_per_s(self) -> float:
@@ -89,7 +91,7 @@ class LoadResult:
         return {"client": self.client, "cpu_cores": round(self.client_cpu_cores, 3), "saturated": self.client_saturated}
 
     def to_dict(self) -> dict:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "events"}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("events", "refused")}
         return {
             **fields,
             "requests_per_s": self.requests_per_s,

@@ -18,6 +18,9 @@ Writes ``benchmarks/results/SCENARIO/reliability.json`` (the keys below), ``summ
   client's CPU and how well it kept the rate; ``soak_machine_stalls``,
   ``soak_machine_stalls_over_100ms``, ``soak_machine_stall_max_ms``: the stalls of the machine
   itself meanwhile (``benchmarks.stalls``: 20 ms and more), which queue requests behind them;
+  ``soak_errors_after_machine_stalls``: the errors answered during one or in the second after;
+  ``soak_machine_steal_share``: the share of the CPUs' time the hypervisor took for other machines
+  (at 70% load, a steal of 0.3 takes the capacity left; measured here: seconds of it shed requests);
 * ``kill_worker_failed_requests``, ``kill_worker_inflight``, ``kill_worker_recovery_s``: one of two
   workers killed with SIGKILL under load; failed requests against those in flight when the death
   showed (sent before its first failed answer, answered after the kill); recovery: kill -> both
@@ -72,12 +75,16 @@ from benchmarks.load import LoadResult
 from benchmarks.memory import model_workers
 from benchmarks.poisoned import build_lenient, poisoned_load
 from benchmarks.scenarios import CRITEO_CANDIDATE_FEATURES, MODELS
-from benchmarks.stalls import MachineStalls
+from benchmarks.stalls import MachineStalls, count_after
 from benchmarks.reliability_report import plot, summary
 from benchmarks.traffic import Traffic, TrafficModel
 from benchmarks.wrk import run_wrk
 from benchmarks.wrk_open import WrkBackgroundLoad, run_wrk_open
 from handlers.modeling.registry import load_spec
+
+# the requests a machine stall held back (at 70% load, 2.3x its length to drain) are answered
+# within a second of its end: an error then is counted as the stall's
+STALL_DRAIN_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +329,9 @@ def _soak(server: LocalTorchServe, url: str, auth: dict, traffic: Traffic, rate:
         "soak_machine_stalls": len(stalls.found),
         "soak_machine_stalls_over_100ms": sum(1 for _, late_s in stalls.found if late_s >= 0.1),
         "soak_machine_stall_max_ms": 1000 * max((late_s for _, late_s in stalls.found), default=0.0),
+        "soak_machine_steal_share": stalls.steal_share,
+        "soak_errors_after_machine_stalls": count_after(
+            stalls.found, [at for at, _ in result.refused], STALL_DRAIN_S),
     }
 
 

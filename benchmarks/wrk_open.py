@@ -61,8 +61,8 @@ MAX_BACKGROUND_S = 3600.0
 # answers by status in globals that done() (the main state) reads: wrk copies numbers and strings
 # between states (its copy of a table pops one value too many off the thread's stack). With a
 # timeline (one connection a thread: a send is then paired with its answer), each thread also
-# writes "scheduled sent answered status" a line to FOLDER/events-ID; stdio's buffer is written
-# out when wrk exits.
+# writes "scheduled sent answered status" a line to FOLDER/events-ID; paced, "answered status" of
+# each answer other than a 200 to FOLDER/refused-ID. stdio's buffers are written out when wrk exits.
 _SCRIPT = READ_REQUESTS + """
 local ffi = require("ffi")
 ffi.cdef[[
@@ -85,7 +85,7 @@ end
 
 -- a thread's; the globals are what done() reads: "status_CODE" and codes ("200 503 ...") too
 late, last_sent, codes = 0, 0, ""
-local requests, at, mean_gap, due, out, running = {}, 0, 0, 0, nil, false
+local requests, at, mean_gap, due, out, refused, running = {}, 0, 0, 0, nil, nil, false
 local claimed, first, after = {}, 1, 1  -- arrivals claimed by a connection, not sent yet
 local pending_scheduled, pending_sent = nil, nil  -- with a timeline: the request in flight
 local keys = {}
@@ -100,9 +100,12 @@ function init(args)  -- FOLDER/bodies, this thread's rate, seed, threads, first 
   mean_gap = 1 / tonumber(args[2])
   math.randomseed(tonumber(args[3]) * 100003 + id)
   due = tonumber(args[5]) + gap()
+  local folder = args[1]:match("^(.*)/[^/]*$")
   if args[6] == "1" then
-    out = assert(io.open(args[1]:match("^(.*)/[^/]*$") .. "/events-" .. id, "w"))
+    out = assert(io.open(folder .. "/events-" .. id, "w"))
     out:setvbuf("full", 65536)
+  else
+    refused = assert(io.open(folder .. "/refused-" .. id, "w"))
   end
   collectgarbage()
 end
@@ -148,6 +151,7 @@ function response(status, headers, body)
   end
   _G[key] = _G[key] + 1
   if pending_sent then record(now(), status) end
+  if refused and status ~= 200 then refused:write(string.format("%.6f %d\\n", now(), status)) end
 end
 
 function done(summary, latency, requests)
@@ -260,6 +264,7 @@ class WrkBackgroundLoad:
             client_threads=min(run.threads, os.cpu_count() or 1),
             late_sends=figures["late"],
             events=events,
+            refused=_refused(run),
         )
 
 
@@ -280,3 +285,9 @@ def _records(run: WrkProcess) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
     table = np.fromstring(text, sep=" ").reshape(-1, 4) if text.strip() else np.zeros((0, 4))
     table = table[np.argsort(table[:, 0], kind="stable")]
     return table[:, 0], table[:, 1], table[:, 2], table[:, 3].astype(np.int64)
+
+
+def _refused(run: WrkProcess) -> list[tuple[float, int]]:
+    """(answered, status) of every answer other than a 200 of a paced run, in time order."""
+    lines = b"".join(path.read_bytes() for path in run.folder.glob("refused-*")).split()
+    return sorted((float(at), int(status)) for at, status in zip(lines[::2], lines[1::2]))

@@ -30,6 +30,7 @@ def test_reliability_smoke_scenario_runs_and_holds_the_hard_targets(tmp_path):
     assert figures["soak_errors"] == 0, figures["soak_statuses"]
     stalls = [figures[k] for k in ("soak_machine_stalls", "soak_machine_stalls_over_100ms", "soak_machine_stall_max_ms")]
     assert stalls[0] >= stalls[1] >= 0 and (stalls[2] >= 20) == (stalls[0] > 0), stalls
+    assert figures["soak_errors_after_machine_stalls"] == 0 and 0 <= figures["soak_machine_steal_share"] < 1
     # 1% of requests the model refuses: each refused alone, every other request answered
     assert figures["poisoned_good_failed"] == 0 and figures["poisoned_clean_failed"] == 0, figures["poisoned_statuses"]
     assert 1 <= figures["poisoned_refused"] <= figures["poisoned_requests"] // 100 + 1, figures["poisoned_statuses"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.stalls import MachineStalls, overlaps
+from benchmarks.stalls import MachineStalls, count_after, overlaps
 from tests.conftest import REPO
 
 
@@ -25,12 +25,19 @@ def test_a_probe_held_still_for_150_ms_reports_one_stall_of_that_length():
     start, late = stalls.found[0]
     assert held - 0.01 < start < held + 0.01
     assert 0.13 < late < 0.3
+    assert 0 <= stalls.steal_share < 1
 
 
 def test_a_request_overlaps_a_stall_only_if_in_flight_during_it():
     stalls = [(10.0, 0.1)]
     assert overlaps(stalls, 9.9, 10.05) and overlaps(stalls, 10.05, 10.2) and overlaps(stalls, 9.0, 11.0)
     assert not overlaps(stalls, 9.0, 9.99) and not overlaps(stalls, 10.11, 10.3) and not overlaps([], 0.0, 1.0)
+
+
+def test_times_count_after_a_stall_during_it_and_while_it_drains():
+    stalls = [(10.0, 0.1), (20.0, 0.05)]
+    assert count_after(stalls, [9.99, 10.0, 10.05, 10.6, 10.61, 20.3, 30.0], after_s=0.5) == 4
+    assert count_after([], [1.0], after_s=1.0) == 0
 
 
 def test_the_probe_ends_by_itself_once_the_process_that_started_it_is_gone(tmp_path):

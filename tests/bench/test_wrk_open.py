@@ -58,6 +58,12 @@ def test_the_paced_loop_sends_poisson_arrivals_at_the_rate_and_counts_answers_by
     # wrk's histogram of every answer: a quarter of them SLOW_S late or more
     assert result.latency_ms["p90"] >= SLOW_S * 1000
     assert result.client == "wrk" and result.client_threads == 1 and 0 < result.client_cpu_cores < 0.5
+    # when each 503 came: SLOW_S or more after its shed body arrived
+    shed_at = sorted(at for at, body, _ in received if body == SHED)
+    assert len(result.refused) == result.statuses["503"] and {status for _, status in result.refused} == {503}
+    for answered, _ in result.refused:
+        arrived = shed_at[bisect.bisect_right(shed_at, answered - SLOW_S) - 1]
+        assert SLOW_S <= answered - arrived < SLOW_S + 0.1
 
 
 def test_a_timeline_pairs_each_send_with_its_answer(shedding):
