@@ -19,12 +19,14 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.export import Dim
 
+from archive_tools import compile_cache
 from handlers.modeling import tbe
 from handlers.modeling.eager import PlainInputs
 from handlers.runtime.archive_files import aoti_weights_file
@@ -37,6 +39,13 @@ from handlers.runtime.torch_internals import kept_as_constants, load_package
 
 # torch's own pytree code, when a program is saved or compiled, trips its own deprecation warning.
 _PYTREE_DEPRECATION = (r"`isinstance\(treespec, LeafSpec\)` is deprecated",)
+
+AOTI_SETTINGS = MappingProxyType({  # a compile adds to the dict it is given: each gets a copy
+    "aot_inductor.package_constants_in_so": False,
+    # A weight whose elements are all equal (a 1-element scale of TorchAO's) would be folded into
+    # the code, out of reach of a dense swap.
+    "joint_graph_constant_folding": False,
+})
 
 MAX_BATCH = 1 << 16
 MAX_VALUES = 1 << 28
@@ -106,7 +115,8 @@ def compile_aoti(
     copied out of the package's shared library. Every parameter stays a constant, so that a dense
     swap reaches all of them. ``slot_maps``: the raw-id tables' (views of the program's remap
     constants), which the file holds under their own names too (``slot_maps.slot_maps_in``)
-    for the delta writers, stored once."""
+    for the delta writers, stored once. A package compiled before from the same graph (other weights)
+    is copied from the compile cache (``archive_tools.compile_cache``), then checked the same way."""
     state = {**program.state_dict, **program.constants}
     held = {t.untyped_storage().data_ptr() for t in state.values() if type(t) in (torch.Tensor, nn.Parameter)}
     foreign = sorted(t for t, parts in (slot_maps or {}).items() if any(
@@ -114,19 +124,14 @@ def compile_aoti(
     if foreign:  # before a compile is spent on it
         raise ValueError(f"{path}: the slot maps of tables {foreign} are not views of the program's constants")
     parameters = _parameter_constants(program)
-    with quieter("torch.fx._symbolic_trace", warning_messages=_PYTREE_DEPRECATION), kept_as_constants(parameters):
-        package = Path(
-            torch._inductor.aoti_compile_and_package(
-                program,
-                package_path=str(path),
-                inductor_configs={
-                    "aot_inductor.package_constants_in_so": False,
-                    # A weight whose elements are all equal (a 1-element scale of TorchAO's) would
-                    # be folded into the code, out of reach of a dense swap.
-                    "joint_graph_constant_folding": False,
-                },
-            )
-        )
+    key = compile_cache.package_key(program, AOTI_SETTINGS)
+    package = path
+    from_cache = compile_cache.fetch(
+        key, path, lambda kept: compile_cache.compiled_in(state, set(load_package(kept).get_constant_fqns())))
+    if not from_cache:
+        with quieter("torch.fx._symbolic_trace", warning_messages=_PYTREE_DEPRECATION), kept_as_constants(parameters):
+            package = Path(torch._inductor.aoti_compile_and_package(
+                program, package_path=str(path), inductor_configs=dict(AOTI_SETTINGS)))
     constants = set(load_package(package).get_constant_fqns())
     # but a raw-id remap's bucket index, which a worker makes from its sorted ids (id_buckets.derived_constants)
     weights = {name: package_constant(state, name) for name in constants if not is_index(name)}
@@ -140,6 +145,8 @@ def compile_aoti(
     for table, parts in (slot_maps or {}).items():
         weights.update({f"slot_maps.{table}.{name}": part for name, part in zip(part_names(parts), parts)})
     torch.save(weights, aoti_weights_file(package))
+    if not from_cache:
+        compile_cache.keep(key, package, compile_cache.compiled_in(state, constants))
     return package
 
 

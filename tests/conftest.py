@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from archive_tools.compile_cache import CACHE_ENV
 from archive_tools.local_server import VMARGS_ENV
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.registry import load_spec
@@ -16,6 +19,13 @@ from handlers.modeling.weights import InferenceWeights
 # The suite's servers live seconds, their JIT's C2 tier never pays back: C1 alone spends a third
 # less of the frontend's CPU (benchmark smokes run in child processes, which inherit it).
 os.environ.setdefault(VMARGS_ENV, "-XX:TieredStopAtLevel=1")
+
+# An AOTInductor package one test compiles, another reuses (the same graph with other weights:
+# archive_tools.compile_cache), from a folder of this run's own that pytest's processes share
+# (they inherit it): each run compiles what it needs once, from nothing, as on a fresh machine.
+_OWN_COMPILE_CACHE = CACHE_ENV not in os.environ
+if _OWN_COMPILE_CACHE:
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="torchrec-serve-compile-cache-")
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = REPO / "config" / "models"
@@ -46,6 +56,11 @@ SLOWEST_FIRST = (
     "tests/integration/test_asgi_engine.py",
     "tests/integration/test_asgi_metrics.py",
 )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _OWN_COMPILE_CACHE:
+        shutil.rmtree(os.environ[CACHE_ENV], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -9,13 +9,16 @@ import textwrap
 import pytest
 import torch
 
-from archive_tools.export import MAX_BATCH, compile_aoti, export_model
+from archive_tools import compile_cache
+from archive_tools.compile_cache import CACHE_ENV, compiled_in, package_key
+from archive_tools.export import AOTI_SETTINGS, MAX_BATCH, compile_aoti, export_model
 from handlers.modeling.eager import eager_service
 from handlers.modeling.factory import DLRMFactory
 from handlers.modeling.spec import DensePrecision, ShardingType, WeightDtype
 from handlers.runtime.artifacts import Artifact, GraphModel, aoti_weights_file
 from handlers.runtime.batching import coalesce, plain_arguments
 from handlers.runtime.service import ScoringService
+from handlers.runtime.torch_internals import load_package
 from tests.helpers import is_file_mapped, items_request, sharded, with_tables
 
 
@@ -62,6 +65,32 @@ def test_aoti_package_equals_eager(exported, compiled):
         batch = _batch(spec, eager, sizes, seed=5)
         with torch.inference_mode():
             torch.testing.assert_close(graph(batch), eager.model(batch), atol=1e-6, rtol=1e-5)
+
+
+def _no_compile(*args, **kwargs):
+    raise AssertionError("compiled again: the compile cache missed")
+
+
+def test_the_same_graph_with_other_weights_comes_from_the_compile_cache_and_serves_them(
+    exported, compiled, tmp_path, monkeypatch
+):
+    """A build of the model with other weights is not compiled again: the package of ``compiled``
+    (kept under its program's key) is copied, and scores with the new weights file."""
+    spec, eager, program, _ = exported
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    state = {**program.state_dict, **program.constants}
+    values = compiled_in(state, set(load_package(compiled).get_constant_fqns()))
+    compile_cache.keep(package_key(program, AOTI_SETTINGS), compiled, values)
+    factory = DLRMFactory(spec)
+    other = factory.quantize(factory.float_model(seed=1))
+    other_eager = eager_service(spec, factory.inference_model(other))
+    other_program = export_model(factory.inference_model(other), eager.tags, _batch(spec, other_eager, (3, 5), 0))
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", _no_compile)
+    graph = GraphModel(compile_aoti(other_program, tmp_path / "model_aoti.pt2"), Artifact.AOTI, eager.tags)
+    batch = _batch(spec, eager, (64, 3), seed=5)
+    with torch.inference_mode():
+        torch.testing.assert_close(graph(batch), other_eager.model(batch), atol=1e-6, rtol=1e-5)
+        assert not torch.allclose(graph(batch), eager.model(batch), atol=1e-3)
 
 
 def test_a_batch_with_every_bag_empty_scores_as_eager(exported, compiled):
@@ -200,6 +229,7 @@ def test_a_parameter_compiled_in_as_a_literal_is_refused_naming_it(tmp_path, mon
     leaves it out of reach of a dense swap: ``compile_aoti`` raises, naming the parameter, and
     writes no weights file, so the build stops."""
     monkeypatch.setattr("archive_tools.export.kept_as_constants", lambda names: contextlib.nullcontext())
+    monkeypatch.setenv(CACHE_ENV, "off")  # this compile, not one the cache kept
     program = torch.export.export(torch.nn.Linear(4, 1).eval(), (torch.randn(3, 4),))
     with pytest.raises(RuntimeError, match=r"parameters compiled in as literals.*\['bias'\]"):
         compile_aoti(program, tmp_path / "model_aoti.pt2")
