@@ -84,7 +84,11 @@ def fetch(key: str, path: Path, compiled_in_of: Callable[[Path], str]) -> bool:
     if entry is None or not entry.is_file() or not entry.with_suffix(".values").is_file():
         return False
     shutil.copyfile(entry, path)
-    if compiled_in_of(path) != entry.with_suffix(".values").read_text():
+    try:
+        reusable = compiled_in_of(path) == entry.with_suffix(".values").read_text()
+    except (RuntimeError, OSError):  # a damaged entry: compiled again, and replaced
+        reusable = False
+    if not reusable:
         path.unlink()
         return False
     entry.touch()  # used last: kept longest
@@ -132,8 +136,8 @@ def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _layout(tensor: torch.Tensor | torch.ScriptObject) -> list[object]:
-    if not isinstance(tensor, torch.Tensor):  # an FBGEMM object the program holds: its class
-        return [tensor._type().qualified_name() if isinstance(tensor, torch.ScriptObject) else repr(tensor)]
+    if not isinstance(tensor, torch.Tensor):  # an FBGEMM object the program holds (its class: the signature's)
+        return [type(tensor).__name__]
     described: list[object] = [type(tensor).__name__, tuple(tensor.shape), tensor.dtype]
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         described.append(tensor.__tensor_flatten__()[1])

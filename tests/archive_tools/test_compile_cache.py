@@ -60,6 +60,11 @@ def test_a_kept_package_is_fetched_if_it_compiled_in_the_same_values_the_oldest_
     assert compile_cache.fetch("key2", out, values_of) and out.read_bytes() == bytes([2]) * 10
     assert not compile_cache.fetch("key2", tmp_path / "other.pt2", lambda package: "values9")
     assert not (tmp_path / "other.pt2").exists()
+
+    def damaged(package):
+        raise RuntimeError("not a zip archive")
+
+    assert not compile_cache.fetch("key2", tmp_path / "other.pt2", damaged) and not (tmp_path / "other.pt2").exists()
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [
         "key1.pt2", "key1.values", "key2.pt2", "key2.values"]
 
