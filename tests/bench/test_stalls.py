@@ -14,6 +14,8 @@ from tests.conftest import REPO
 
 
 def test_a_probe_held_still_for_150_ms_reports_one_stall_of_that_length():
+    """The hold is one stall; the machine may add stalls of its own beside it (one of 30 ms, 80 ms
+    before the hold, in a CI run), which are not in the hold's time."""
     with MachineStalls() as stalls:
         time.sleep(0.2)
         os.kill(stalls.pid, signal.SIGSTOP)
@@ -21,8 +23,9 @@ def test_a_probe_held_still_for_150_ms_reports_one_stall_of_that_length():
         time.sleep(0.15)
         os.kill(stalls.pid, signal.SIGCONT)
         time.sleep(0.2)
-    assert len(stalls.found) == 1
-    start, late = stalls.found[0]
+    in_hold = [(at, late) for at, late in stalls.found if overlaps([(at, late)], held, held + 0.15)]
+    assert len(in_hold) == 1, stalls.found
+    start, late = in_hold[0]
     assert held - 0.01 < start < held + 0.01
     assert 0.13 < late < 0.3
     assert 0 <= stalls.steal_share < 1
