@@ -7,13 +7,15 @@ exported program, the AOTInductor package and the split model (sparse and dense 
 their own: compiled, exported or eager lookups on the mapped tables, each before a compiled dense
 part), at batch 1, 32, 256 and 2048 items, on one intra-op thread; plus each archive's size, build
 time, and what a user sees when registering it: the synchronous register call's time to ready and
-the worker's own load time (from its describe answer), with TorchServe's config. Writes artifacts.json, artifacts.png
+the worker's own load time (from its describe answer), with TorchServe's config. Every package is
+compiled (the compile cache is off). Writes artifacts.json, artifacts.png
 and a text table to DIR (default benchmarks/results/artifacts).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +29,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from archive_tools.build import build_archive  # noqa: E402
+from archive_tools.compile_cache import CACHE_ENV  # noqa: E402
 from archive_tools.model_config import ServingConfig  # noqa: E402
 from archive_tools.local_server import LocalTorchServe  # noqa: E402
 from benchmarks.scenarios import MODELS, REPO  # noqa: E402
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "artifacts")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    os.environ[CACHE_ENV] = "off"  # build_s: each package compiled, not copied from the compile cache
     torch.set_num_threads(1)
     spec = load_spec(args.spec)
     probe = eager_service(spec, DLRMFactory(spec).float_model(seed=0))
