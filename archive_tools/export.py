@@ -125,14 +125,20 @@ def compile_aoti(
         raise ValueError(f"{path}: the slot maps of tables {foreign} are not views of the program's constants")
     parameters = _parameter_constants(program)
     key = compile_cache.package_key(program, AOTI_SETTINGS)
-    package = path
-    from_cache = compile_cache.fetch(
-        key, path, lambda kept: compile_cache.compiled_in(state, set(load_package(kept).get_constant_fqns())))
-    if not from_cache:
+    kept_constants: list[set[str]] = []  # the cached package's, loaded once
+
+    def kept_values(kept: Path) -> str:
+        kept_constants.append(set(load_package(kept).get_constant_fqns()))
+        return compile_cache.compiled_in(state, kept_constants[-1])
+
+    package, from_cache = path, compile_cache.fetch(key, path, kept_values)
+    if from_cache:
+        constants = kept_constants[-1]
+    else:
         with quieter("torch.fx._symbolic_trace", warning_messages=_PYTREE_DEPRECATION), kept_as_constants(parameters):
             package = Path(torch._inductor.aoti_compile_and_package(
                 program, package_path=str(path), inductor_configs=dict(AOTI_SETTINGS)))
-    constants = set(load_package(package).get_constant_fqns())
+        constants = set(load_package(package).get_constant_fqns())
     # but a raw-id remap's bucket index, which a worker makes from its sorted ids (id_buckets.derived_constants)
     weights = {name: package_constant(state, name) for name in constants if not is_index(name)}
     missing = [name for name, tensor in weights.items() if tensor is None]
