@@ -5,6 +5,7 @@ the assumption it checks, so a torch upgrade that breaks one fails here by name.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -95,3 +96,45 @@ def test_a_load_removes_the_extractions_of_processes_that_are_gone(tmp_path):
     assert set(loaded.get_constant_fqns()) == {"linear.weight", "linear.bias"}
     assert not left.parent.exists() and (AOTI_FOLDERS / str(os.getpid())).is_dir()
     assert os.environ.get("TMPDIR") == tmpdir
+
+
+_LOAD_IN_A_NEW_PROCESS = """
+import json, sys
+from pathlib import Path
+from torch._inductor import cpu_vec_isa
+from handlers.runtime.torch_internals import load_package
+
+probed = []
+check_build = cpu_vec_isa.VecISA.check_build
+def spied(isa, code):
+    probed.append(type(isa).__name__)
+    return check_build(isa, code)
+cpu_vec_isa.VecISA.check_build = spied
+load_package(Path(sys.argv[1]))
+probed_in_load = list(probed)
+unchecked_after_load = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
+plain = [type(i).__name__ for i in cpu_vec_isa.supported_vec_isa_list if type(i).__bool__ is cpu_vec_isa.VecISA.__bool__]
+cpu_vec_isa.pick_vec_isa()  # as a compile does: the ISAs checked by building probes
+load_package(Path(sys.argv[1]))
+print(json.dumps({"probed": probed_in_load, "plain": plain, "unchecked_after_load": unchecked_after_load,
+                  "checked_after_compile_and_load": cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1}))
+"""
+
+
+def test_a_load_names_the_cpus_isa_from_its_flags_and_leaves_the_check_to_a_compile(tmp_path):
+    """The loader names the CPU's ISA (get_device_information -> cpu_vec_isa.pick_vec_isa), which
+    compiles and loads a probe for each candidate ISA unless config.cpp.vec_isa_ok says yes:
+    load_package says yes for the load (9.5 s of CPU in a new Inductor cache here), so no ISA
+    whose check honours it (cpu_vec_isa.VecISA.__bool__) is probed; and a process that had not
+    checked its ISAs leaves valid_vec_isa_list (functools.cache) empty for a compile to check."""
+    model = _SmallBias().eval()
+    program = torch.export.export(model, (torch.randn(2, 4),), dynamic_shapes=({0: torch.export.Dim("n", min=2, max=64)},))
+    package = compile_aoti(program, tmp_path / "model_aoti.pt2")
+    fresh = tmp_path / "tmp"  # a new Inductor cache (its folder is under TMPDIR), as a new server's worker has
+    fresh.mkdir()
+    done = subprocess.run([sys.executable, "-c", _LOAD_IN_A_NEW_PROCESS, str(package)], capture_output=True,
+                          text=True, env={**os.environ, "TMPDIR": str(fresh)}, check=True)
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["plain"], "the ISAs whose check a setting can answer"
+    assert not set(seen["probed"]) & set(seen["plain"]), seen
+    assert seen["unchecked_after_load"] and seen["checked_after_compile_and_load"], seen
