@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from archive_tools.keys import TokenKeys
 from archive_tools.plugin import plugin_dir
+from archive_tools.process_group import stop_group
 from archive_tools.resources import config_dir
 from handlers.runtime.errors import InputError
 from handlers.runtime.freshness.shared_tables import sweep
@@ -205,20 +205,10 @@ class LocalTorchServe:
         )
 
     def stop(self) -> None:
-        """Terminates the server's process group (launcher, Java frontend, workers) by its pid."""
+        """Kills the server's process group (launcher, Java frontend, workers) by its pid, workers
+        first (``archive_tools.process_group``)."""
         if self.process is not None and self.process.poll() is None:
-            pgid = self.process.pid  # start_new_session: the group id is the launcher's pid
-            os.killpg(pgid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-            try:  # whatever of the group is left (a slow worker) goes now
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait(timeout=10)
-            _wait_for_group_exit(pgid, timeout_s=10)
+            stop_group(self.process)
             sweep()  # the working copies of tables its workers served (shared memory)
         if self._log is not None:
             self._log.close()
@@ -383,14 +373,3 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait_for_group_exit(pgid: int, timeout_s: float) -> None:
-    """Until no process of the group is left (killed workers release their locks as they go)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
