@@ -15,15 +15,6 @@ from torch import nn
 from handlers.modeling.spec import DensePrecision, ModelSpec
 from handlers.runtime.quiet import quieter
 
-# Importing TorchAO logs that its CUDA-only kernels (mxfp8, cutlass) and Triton are missing, which a
-# CPU build does not use, and torch deprecates how it registers an enum with torch.compile.
-with quieter("torchao", "torch.utils._pytree"):
-    from torchao.quantization import (
-        Int8DynamicActivationInt8WeightConfig,
-        Int8WeightOnlyConfig,
-        quantize_,
-    )
-
 _FLOAT_DTYPES = {DensePrecision.BF16: torch.bfloat16, DensePrecision.FP16: torch.float16}
 
 
@@ -45,11 +36,20 @@ def apply_dense_precision(model: nn.Module, spec: ModelSpec) -> nn.Module:
         submodule = getattr(model, name)
         if precision in _FLOAT_DTYPES:
             setattr(model, name, CastTo(submodule, _FLOAT_DTYPES[precision]))
-        elif precision == DensePrecision.INT8_WEIGHT_ONLY:
-            quantize_(submodule, Int8WeightOnlyConfig())
-        elif precision == DensePrecision.INT8_DYNAMIC:
-            quantize_(submodule, Int8DynamicActivationInt8WeightConfig())
+        elif precision in (DensePrecision.INT8_WEIGHT_ONLY, DensePrecision.INT8_DYNAMIC):
+            _quantize_int8(submodule, dynamic=precision == DensePrecision.INT8_DYNAMIC)
     return model
+
+
+def _quantize_int8(submodule: nn.Module, dynamic: bool) -> None:
+    """TorchAO's ``quantize_`` on ``submodule``'s Linear layers. TorchAO is imported here, by the
+    models that use it only (0.4 s of every worker's start otherwise); importing it logs that its
+    CUDA-only kernels (mxfp8, cutlass) and Triton are missing, which a CPU build does not use, and
+    torch deprecates how it registers an enum with torch.compile."""
+    with quieter("torchao", "torch.utils._pytree"):
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+
+    quantize_(submodule, Int8DynamicActivationInt8WeightConfig() if dynamic else Int8WeightOnlyConfig())
 
 
 def float_name(name: str, spec: ModelSpec) -> str:
