@@ -13,9 +13,9 @@ import tempfile
 from pathlib import Path
 
 from archive_tools.local_server import free_port
-from handlers.asgi.app import EngineSettings
-from handlers.asgi.auth import KeyFile
+from handlers.asgi.key_file import KeyFile
 from handlers.asgi.server import APP, ServedArchives, run
+from handlers.asgi.settings import EngineSettings
 from handlers.runtime.errors import InputError
 
 DEFAULT_PORT = 8080  # KServe's: where it sends a predictor's HTTP requests

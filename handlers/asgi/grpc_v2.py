@@ -32,7 +32,6 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import logging
-import socket
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -40,6 +39,7 @@ from google.protobuf.message import Message
 
 from handlers.asgi.metadata import PLATFORM, model_metadata
 from handlers.asgi.registry import ModelRegistry, ServedModel
+from handlers.asgi.settings import listen_address
 from handlers.runtime.errors import InputError, InvalidKeyException, ServingError
 from handlers.runtime.inputs import Limits
 from handlers.runtime.wire.transport import too_large
@@ -175,29 +175,11 @@ async def start(models: ModelRegistry, key: str, host: str, port: int) -> grpc.a
     )
     server.add_generic_rpc_handlers((InferenceServicer(models).handler(),))
     try:
-        server.add_insecure_port(_address(host, port))
+        server.add_insecure_port(listen_address(host, port))
     except RuntimeError as error:
-        raise InputError(f"--grpc-port: cannot listen on {_address(host, port)}: {error}") from None
+        raise InputError(f"--grpc-port: cannot listen on {listen_address(host, port)}: {error}") from None
     await server.start()
     return server
-
-
-def check_port_free(host: str, port: int) -> None:
-    """``InputError`` when something listens on ``host:port`` already (another server's gRPC
-    processes would take half of the connections each, without an error)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections closed lately do not count
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            raise InputError(
-                f"--grpc-port: {_address(host, port)} is in use ({error.strerror}); give another port, or 0 for no gRPC"
-            ) from None
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _version() -> str:

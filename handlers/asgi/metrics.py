@@ -9,7 +9,7 @@ reads either engine:
   ``model_version``, ``hostname``.
 
 Every process of a server counts into one directory (prometheus_client's multiprocess mode,
-``use_directory``; ``server.run`` makes one per run), and a scrape, answered by any process, sums
+``metrics_dir.use_directory``; ``server.run`` makes one per run), and a scrape, answered by any process, sums
 them all. TorchServe's counters carry no ``_total`` (``HandlerBatches``), which prometheus_client's
 text format would add: those are exposed under their own name, typed ``untyped``.
 
@@ -26,29 +26,19 @@ import asyncio
 import os
 import socket
 from concurrent.futures import Executor
-from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest, values
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from handlers.runtime.batch_counts import COUNTERS, Increment
 
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 REQUESTS = "ts_inference_requests_total"
 QUEUE_US = "ts_queue_latency_microseconds"
 TORCHSERVE_LABELS = ("model_name", "model_version", "hostname")
 MIN_READ_S = 0.1  # a raw-id model's counts are read at most this often
 UNSUFFIXED = frozenset(COUNTERS) | {QUEUE_US}  # counters TorchServe names without ``_total``
-
-
-def use_directory(path: Path) -> None:
-    """Counts of this process and the ones it starts go to ``path``. prometheus_client picks its
-    value store from the environment when first imported, which the CLI has done already (its
-    scrape parser), so the choice is made again here, before any counter exists."""
-    os.environ[MULTIPROC_ENV] = str(path)
-    values.ValueClass = values.get_value_class()
 
 
 class EngineMetrics:

@@ -4,7 +4,7 @@ named as the wanted state (``engine_state.py``), then uvicorn with ``workers`` p
 port, each loading every model wanted (``app.py``) and serving gRPC on ``settings.grpc_port``
 where one is given (checked free first: the processes share it, ``grpc_v2.py``), until SIGINT or
 SIGTERM. uvicorn's supervisor starts a new process in place of one that dies. Their metrics are
-counted in a directory of the run's own (``metrics.use_directory``), removed when it ends.
+counted in a directory of the run's own (``metrics_dir.use_directory``), removed when it ends.
 
     with ServedArchives(Path("model_store"), ["tiny.mar"]) as state_dir:
         run(EngineSettings((), Path("keys.json"), Path("model_store"), state_dir), host="127.0.0.1", port=8080, workers=4)
@@ -20,12 +20,11 @@ from typing import Sequence
 
 import uvicorn
 
-from handlers.asgi.app import ENGINE_ENV, EngineSettings
 from handlers.asgi.connections import CountedHttpTools
 from handlers.asgi.engine_state import EngineState, WantedModel
-from handlers.asgi.grpc_v2 import check_port_free
-from handlers.asgi.metrics import use_directory
+from handlers.asgi.metrics_dir import use_directory
 from handlers.asgi.placing import place
+from handlers.asgi.settings import ENGINE_ENV, EngineSettings, check_port_free
 from handlers.runtime.archive_files import MANIFEST
 
 APP = "handlers.asgi.factory:app_from_environment"  # uvicorn's factory of each process's application

@@ -6,6 +6,7 @@ alone opens them; both processes take the gRPC port's connections. (Deltas publi
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -63,6 +64,16 @@ def test_management_routes_take_the_management_key_alone(server):
     assert server.manage("GET", "/models").json() == {"models": [{"modelName": "tiny", "modelUrl": "tiny.mar"}]}
     predicted = requests.post(f"{server.url}/predictions/tiny", json=REQUESTS[0], headers=server.management_auth, timeout=10)
     assert predicted.status_code == 400 and predicted.json()["type"] == "InvalidKeyException"
+
+
+def test_the_supervisor_of_the_serving_processes_loads_no_torch(server):
+    """uvicorn's supervisor starts and watches the processes and serves nothing: it never loads
+    torch (seconds of CPU at every start, hundreds of MiB for its life)."""
+    serving = set(serving_processes(server, "tiny", 2))
+    assert server.process.pid not in serving
+    for pid, loads_torch in ((server.process.pid, False), *((p, True) for p in serving)):
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert ("libtorch_cpu.so" in maps) == loads_torch, (pid, loads_torch)
 
 
 def test_versions_are_registered_defaulted_and_unregistered_in_every_process(setup, server):
