@@ -113,7 +113,8 @@ cpu_vec_isa.VecISA.check_build = spied
 load_package(Path(sys.argv[1]))
 probed_in_load = list(probed)
 unchecked_after_load = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
-plain = [type(i).__name__ for i in cpu_vec_isa.supported_vec_isa_list if type(i).__bool__ is cpu_vec_isa.VecISA.__bool__]
+plain = [type(i).__name__ for i in cpu_vec_isa.supported_vec_isa_list
+         if type(i).__bool__ is cpu_vec_isa.VecISA.__bool__]
 cpu_vec_isa.pick_vec_isa()  # as a compile does: the ISAs checked by building probes
 load_package(Path(sys.argv[1]))
 print(json.dumps({"probed": probed_in_load, "plain": plain, "unchecked_after_load": unchecked_after_load,
@@ -128,7 +129,8 @@ def test_a_load_names_the_cpus_isa_from_its_flags_and_leaves_the_check_to_a_comp
     whose check honours it (cpu_vec_isa.VecISA.__bool__) is probed; and a process that had not
     checked its ISAs leaves valid_vec_isa_list (functools.cache) empty for a compile to check."""
     model = _SmallBias().eval()
-    program = torch.export.export(model, (torch.randn(2, 4),), dynamic_shapes=({0: torch.export.Dim("n", min=2, max=64)},))
+    x = torch.randn(2, 4)
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("n", min=2, max=64)},))
     package = compile_aoti(program, tmp_path / "model_aoti.pt2")
     fresh = tmp_path / "tmp"  # a new Inductor cache (its folder is under TMPDIR), as a new server's worker has
     fresh.mkdir()

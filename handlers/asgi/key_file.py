@@ -1,9 +1,9 @@
 """The ASGI engine's key file: JSON, ``{"inference": {"key": "..."}, "management": {"key":
-"..."}}``, the parts of TorchServe's ``key_file.json`` that its clients read (``json.load(f)["inference"]["key"]``). Unlike
-TorchServe's, the keys do not expire and there is no API key: a file that exists is read, so an
-operator gives every replica the same keys (a Kubernetes Secret); one that does not is written with
-fresh keys, readable by its owner only. A file without ``management`` leaves the management
-routes refused.
+"..."}}``, the parts of TorchServe's ``key_file.json`` that its clients read
+(``json.load(f)["inference"]["key"]``). Unlike TorchServe's, the keys do not expire and there is
+no API key: a file that exists is read, so an operator gives every replica the same keys (a
+Kubernetes Secret); one that does not is written with fresh keys, readable by its owner only. A
+file without ``management`` leaves the management routes refused.
 
     keys = KeyFile(Path("keys.json"))               # made now if the file does not exist
     keys.key(), keys.management_key()

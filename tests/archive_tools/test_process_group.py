@@ -22,7 +22,8 @@ log, depth, deepest, respawn = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), 
 if depth == deepest:
     time.sleep(600)
 while True:
-    child = subprocess.Popen([sys.executable, "-c", sys.argv[5], log, str(depth + 1), str(deepest), sys.argv[4], sys.argv[5]])
+    next_level = [log, str(depth + 1), str(deepest), sys.argv[4], sys.argv[5]]
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[5], *next_level])
     code = child.wait()
     with open(log, "a") as out:
         out.write(f"{depth + 1} {code}\\n")
@@ -33,8 +34,8 @@ while True:
 
 def _tree(tmp_path, deepest: int, respawn: bool) -> tuple[subprocess.Popen, str]:
     log = str(tmp_path / "reaped.log")
-    launcher = subprocess.Popen([sys.executable, "-c", _LEVEL, log, "0", str(deepest), "1" if respawn else "0", _LEVEL],
-                                start_new_session=True)
+    arguments = [log, "0", str(deepest), "1" if respawn else "0", _LEVEL]
+    launcher = subprocess.Popen([sys.executable, "-c", _LEVEL, *arguments], start_new_session=True)
     deadline = time.monotonic() + 30
     while len(_group(launcher.pid)) < deepest + 1:  # every level started
         assert time.monotonic() < deadline, "the tree did not start"
