@@ -125,7 +125,7 @@ print(json.dumps({"probed": probed_in_load, "plain": plain, "unchecked_after_loa
 def test_a_load_names_the_cpus_isa_from_its_flags_and_leaves_the_check_to_a_compile(tmp_path):
     """The loader names the CPU's ISA (get_device_information -> cpu_vec_isa.pick_vec_isa), which
     compiles and loads a probe for each candidate ISA unless config.cpp.vec_isa_ok says yes:
-    load_package says yes for the load (9.5 s of CPU in a new Inductor cache here), so no ISA
+    load_package says yes for the load (10 s more a load in a new Inductor cache here), so no ISA
     whose check honours it (cpu_vec_isa.VecISA.__bool__) is probed; and a process that had not
     checked its ISAs leaves valid_vec_isa_list (functools.cache) empty for a compile to check."""
     model = _SmallBias().eval()

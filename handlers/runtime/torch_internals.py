@@ -20,10 +20,11 @@ by name when a torch release changes what these rely on.
   and each start left a folder in /tmp. Each process now extracts under a folder of its own
   (``AOTI_FOLDERS/PID``), and a load removes the folders of processes that are gone. The loader
   also names the CPU's vector ISA to warn where it differs from the compiling machine's, and to
-  name it, compiles a probe for each candidate ISA and loads each in a child Python (1.7 s of a
-  2.3 s worker start here; 2.5 s more where Inductor's cache is new, as under each fresh
-  ``TMPDIR``). For the load it takes the CPU's flags at their word (``cpp.vec_isa_ok``); a
-  process that had not checked its ISAs before forgets the answer, so that a compile checks them.
+  name it, compiles a probe for each candidate ISA and loads each in a child Python: a load took
+  1.8 s here with Inductor's cache warm, 11-12 s where the cache is new (as under each fresh
+  ``TMPDIR``: a local server's workers), 1.1 s without the probes. For the load it takes the
+  CPU's flags at their word (``cpp.vec_isa_ok``); a process that had not checked its ISAs before
+  forgets the answer, so that a compile checks them.
 
 Handing a package its constants goes through the public loader's ``load_constants``.
 """
