@@ -14,7 +14,6 @@ def app_from_environment():  # -> KeyCheck, imported below
     """The app of this process, from the settings the launching process put in its environment."""
     restore = start_low()
     from handlers.asgi.app import create_app  # after lowering: torch's import is seconds of CPU
-
     from handlers.asgi.settings import EngineSettings
 
     return create_app(EngineSettings.from_env(), loaded=restore)

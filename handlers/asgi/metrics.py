@@ -9,9 +9,10 @@ reads either engine:
   ``model_version``, ``hostname``.
 
 Every process of a server counts into one directory (prometheus_client's multiprocess mode,
-``metrics_dir.use_directory``; ``server.run`` makes one per run), and a scrape, answered by any process, sums
-them all. TorchServe's counters carry no ``_total`` (``HandlerBatches``), which prometheus_client's
-text format would add: those are exposed under their own name, typed ``untyped``.
+``metrics_dir.use_directory``; ``server.run`` makes one per run), and a scrape, answered by any
+process, sums them all. TorchServe's counters carry no ``_total`` (``HandlerBatches``), which
+prometheus_client's text format would add: those are exposed under their own name, typed
+``untyped``.
 
     metrics = EngineMetrics()                        # in each server process
     tiny = metrics.model("tiny", "1.0")
