@@ -21,6 +21,8 @@ and the exit code is 1.
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import signal
 import subprocess
 import sys
@@ -62,6 +64,11 @@ def exit_code(error: Exception) -> int:
         if kind is not None and isinstance(error, kind):
             return code
     return INTERNAL_ERROR
+
+
+# At exit the interpreter's last collections walk every object still alive (torch's import alone
+# makes 350k): frozen first, they are skipped, 0.85 s of a command's 4.8 here.
+atexit.register(gc.freeze)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -156,10 +156,27 @@ def quality(scores: torch.Tensor, labels: torch.Tensor) -> Quality:
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    # 0.7 s to import: by the builds that score labelled rows only
-    from torchmetrics.functional.classification import binary_auroc
+    """The chance that a click is scored above a non-click, ties one half (NaN if all labels agree)."""
+    return float(weighted_auc(scores, labels.to(torch.float64), torch.ones(1, len(labels), dtype=torch.float64))[0])
 
-    return float(binary_auroc(scores.double(), labels.long()))
+
+def weighted_auc(scores: torch.Tensor, labels: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """float64 [draws]: the AUC of ``scores`` [rows] against 0/1 ``labels`` [rows] with the rows
+    weighted by ``counts`` [draws, rows], each draw's (a bootstrap draw: how often each row was
+    drawn). One pass over the rows sorted by score: the Mann-Whitney statistic, rows of equal score
+    in one group (a click and a non-click that tie count one half). Written here, not imported from
+    TorchMetrics: its import (1.2 s, matplotlib with it) cost every build more than its check."""
+    order = torch.argsort(scores.to(torch.float64))
+    _, group = torch.unique_consecutive(scores.to(torch.float64)[order], return_inverse=True)
+    groups = int(group.max()) + 1 if len(group) else 0
+    clicks = torch.zeros(len(counts), groups, dtype=torch.float64)
+    others = torch.zeros_like(clicks)
+    weights, y = counts[:, order], labels[order]
+    clicks.index_add_(1, group, weights * y)
+    others.index_add_(1, group, weights * (1 - y))
+    below = torch.cumsum(others, dim=1) - others  # non-clicks scored below each group
+    wins = (clicks * (below + 0.5 * others)).sum(dim=1)
+    return wins / (clicks.sum(dim=1) * others.sum(dim=1))
 
 
 def log_loss(scores: torch.Tensor, labels: torch.Tensor) -> float:

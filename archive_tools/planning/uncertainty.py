@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from archive_tools.verification import weighted_auc
+
 RESAMPLES = 1000
 CHUNK = 100  # draws held in memory at once: counts [CHUNK, rows]
 
@@ -36,22 +38,8 @@ def auc_drop_interval(
         counts = torch.stack([
             torch.bincount(torch.randint(rows, (rows,), generator=generator), minlength=rows) for _ in range(draws)
         ]).to(torch.float64)
-        drops.append(_weighted_auc(reference, labels, counts) - _weighted_auc(served, labels, counts))
+        drops.append(weighted_auc(reference, labels, counts) - weighted_auc(served, labels, counts))
     tail = (1 - level) / 2
     low, high = torch.quantile(torch.cat(drops), torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
     return low, high
 
-
-def _weighted_auc(scores: torch.Tensor, labels: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """float64 [draws]: the AUC of each draw, its rows weighted by ``counts`` [draws, rows]."""
-    order = torch.argsort(scores.to(torch.float64))
-    _, group = torch.unique_consecutive(scores.to(torch.float64)[order], return_inverse=True)
-    groups = int(group.max()) + 1 if len(group) else 0
-    clicks = torch.zeros(len(counts), groups, dtype=torch.float64)
-    others = torch.zeros_like(clicks)
-    weights, y = counts[:, order], labels[order]
-    clicks.index_add_(1, group, weights * y)
-    others.index_add_(1, group, weights * (1 - y))
-    below = torch.cumsum(others, dim=1) - others  # non-clicks scored below each group
-    wins = (clicks * (below + 0.5 * others)).sum(dim=1)
-    return wins / (clicks.sum(dim=1) * others.sum(dim=1))

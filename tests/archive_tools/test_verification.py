@@ -7,6 +7,7 @@ import numpy as np
 import orjson
 import pytest
 import torch
+from torchmetrics.functional.classification import binary_auroc
 
 from archive_tools.build import build_archive
 from archive_tools.model_config import ServingConfig
@@ -27,6 +28,13 @@ def test_auc_and_normalized_entropy_on_known_cases():
     assert normalized_entropy(torch.full((4,), 0.5), labels) == pytest.approx(1.0)
     assert normalized_entropy(torch.tensor([0.1, 0.2, 0.8, 0.9]), labels) < 0.3
     assert log_loss(torch.full((4,), 0.5), labels) == pytest.approx(0.6931472)
+
+
+def test_auc_is_torchmetrics_auroc_with_ties():
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 50, (2000,), generator=generator).float() / 50  # many ties
+    labels = (torch.rand(2000, generator=generator) < scores).long()
+    assert auc(scores, labels) == pytest.approx(float(binary_auroc(scores.double(), labels)), abs=1e-6)  # its result: float32
 
 
 def _build(tmp_path, **kwargs):
