@@ -55,6 +55,7 @@ class LocalAsgiServer:
         self.grpc_target = f"127.0.0.1:{self.grpc_port}"
         self.key_file = self.workdir / "keys.json"
         self.log = self.workdir / "server.out"
+        self.temporary_folder = self.workdir / "tmp"  # the server's TMPDIR: empty again once it has stopped
         self.process: subprocess.Popen | None = None
         self.keys: dict = {}  # the key file's, once started
 
@@ -71,8 +72,11 @@ class LocalAsgiServer:
         command = [sys.executable, "-m", *self.entry, *self.archives, "--model-store", str(self.store),
                    "--port", str(self.port), "--grpc-port", str(self.grpc_port), "--workers", str(self.workers),
                    "--key-file", str(self.key_file)]
+        self.temporary_folder.mkdir(exist_ok=True)
+        environment = {**os.environ, "TMPDIR": str(self.temporary_folder)}
         with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment,
+                                            start_new_session=True)
         try:
             self._wait_ready()
             self.keys = json.loads(self.key_file.read_text())

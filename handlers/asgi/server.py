@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Sequence
@@ -67,12 +68,19 @@ def run(settings: EngineSettings, host: str, port: int, workers: int, app: str =
     if settings.grpc_port:
         check_port_free(settings.grpc_host, settings.grpc_port)
     os.environ[ENGINE_ENV] = settings.to_env()  # read by each worker process
+    # Once shut down by SIGTERM, uvicorn raises it again for the process to end by it: by the
+    # signal's default action that end came before the folders of the run were removed.
+    signal.signal(signal.SIGTERM, _exit_by_signal)
     counts = Path(tempfile.mkdtemp(prefix="torchrec-serve-metrics-"))  # empty: this run's counts only
     use_directory(counts)  # this process's and its workers'
     try:
         _serve(app, host, port, workers)
     finally:
         shutil.rmtree(counts, ignore_errors=True)
+
+
+def _exit_by_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # the code a shell gives a process the signal ended
 
 
 def _serve(app: str, host: str, port: int, workers: int) -> None:

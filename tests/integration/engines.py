@@ -12,6 +12,7 @@ store on free loopback ports with keys on, ``workers`` processes a model, until 
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -80,6 +81,17 @@ class TorchServeEngine:
 
 
 Engine = AsgiServer | TorchServeEngine
+
+
+def stop_leaving_nothing(server: AsgiServer) -> None:
+    """Stops the asgi engine (SIGTERM to its processes) and checks that what it made in its
+    temporary folder went with it: the models' placed archives, the processes' metric files
+    (torch's own Inductor cache folder, shared by every process of the machine, may stay)."""
+    server.stop()
+    # one process ends by the signal it was sent (143, as a shell says); a supervisor of several, 0
+    assert server.process.returncode in (0, 128 + signal.SIGTERM), server.log_tail()
+    left = sorted(p.name for p in server.temporary_folder.iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [], left
 
 
 def start_engine(kind: str, store: Path, archives: list[str], workers: int, workdir: Path) -> Engine:

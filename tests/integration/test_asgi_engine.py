@@ -27,7 +27,7 @@ from handlers.runtime.wire.v2_headers import HEADER_LENGTH
 from handlers.runtime.wire.v2_tensors import encode_request
 from tests.conftest import TINY_SPEC
 from tests.helpers import archive_service, items_request
-from tests.integration.engines import AsgiServer
+from tests.integration.engines import AsgiServer, stop_leaving_nothing
 
 pytestmark = pytest.mark.integration
 
@@ -189,3 +189,9 @@ def test_a_batch_stops_waiting_once_every_open_connection_waits_on_it(server, ti
 
     assert batch_of(3, idle=0) < PATIENT_DELAY_MS / 1000 / 2
     assert batch_of(3, idle=1) >= PATIENT_DELAY_MS / 1000
+
+
+def test_a_stopped_server_leaves_nothing_behind(server):
+    """Runs last (it stops the module's server). One process: uvicorn, shut down by SIGTERM,
+    raises it again to end by it, which ended the process before its folders were removed."""
+    stop_leaving_nothing(server)

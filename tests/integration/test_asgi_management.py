@@ -21,7 +21,7 @@ from handlers.runtime.artifacts import Artifact
 from tests.conftest import TINY_SPEC
 from tests.helpers import archive_service
 from tests.integration.publishing_archives import build, checkpoints
-from tests.integration.engines import AsgiServer, serving_processes
+from tests.integration.engines import AsgiServer, serving_processes, stop_leaving_nothing
 from tests.integration.test_publishing import REQUESTS, SPEC, _scores
 
 pytestmark = pytest.mark.integration
@@ -122,6 +122,12 @@ def test_both_processes_listen_on_the_grpc_port_and_take_its_connections(setup, 
     finally:
         for grpc_client in clients:
             grpc_client.close()
+
+
+
+def test_a_stopped_server_leaves_nothing_behind(server):
+    """Runs last of the server's tests (it stops it). Two processes under uvicorn's supervisor."""
+    stop_leaving_nothing(server)
 
 
 def _grpc_owners(server: AsgiServer, status: str) -> set[int]:
