@@ -203,7 +203,7 @@ def _freshness_when(engine: Engine, done, timeout_s: float = 30) -> dict:
     deadline = time.monotonic() + timeout_s
     while not done(state := engine.manage("GET", "/freshness/tiny").json()):
         assert not state.get("error") and time.monotonic() < deadline, f"freshness state not reached: {state}"
-        time.sleep(0.05)
+        time.sleep(0.1)
     return state
 
 
