@@ -55,7 +55,7 @@ class LocalAsgiServer:
         self.grpc_target = f"127.0.0.1:{self.grpc_port}"
         self.key_file = self.workdir / "keys.json"
         self.log = self.workdir / "server.out"
-        self.temporary_folder = self.workdir / "tmp"  # the server's TMPDIR: empty again once it has stopped
+        self.temporary_folder = self.workdir / "tmp"  # its TMPDIR: empty again once stopped
         self.process: subprocess.Popen | None = None
         self.keys: dict = {}  # the key file's, once started
 
@@ -75,8 +75,8 @@ class LocalAsgiServer:
         self.temporary_folder.mkdir(exist_ok=True)
         environment = {**os.environ, "TMPDIR": str(self.temporary_folder)}
         with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                            env=environment, start_new_session=True)
         try:
             self._wait_ready()
             self.keys = json.loads(self.key_file.read_text())

@@ -156,8 +156,10 @@ def quality(scores: torch.Tensor, labels: torch.Tensor) -> Quality:
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """The chance that a click is scored above a non-click, ties one half (NaN if all labels agree)."""
-    return float(weighted_auc(scores, labels.to(torch.float64), torch.ones(1, len(labels), dtype=torch.float64))[0])
+    """The chance that a click is scored above a non-click, ties one half (NaN if the labels
+    all agree)."""
+    once = torch.ones(1, len(labels), dtype=torch.float64)
+    return float(weighted_auc(scores, labels.to(torch.float64), once)[0])
 
 
 def weighted_auc(scores: torch.Tensor, labels: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

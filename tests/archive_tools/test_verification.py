@@ -34,7 +34,8 @@ def test_auc_is_torchmetrics_auroc_with_ties():
     generator = torch.Generator().manual_seed(0)
     scores = torch.randint(0, 50, (2000,), generator=generator).float() / 50  # many ties
     labels = (torch.rand(2000, generator=generator) < scores).long()
-    assert auc(scores, labels) == pytest.approx(float(binary_auroc(scores.double(), labels)), abs=1e-6)  # its result: float32
+    expected = float(binary_auroc(scores.double(), labels))  # a float32
+    assert auc(scores, labels) == pytest.approx(expected, abs=1e-6)
 
 
 def _build(tmp_path, **kwargs):

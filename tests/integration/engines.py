@@ -90,7 +90,8 @@ def stop_leaving_nothing(server: AsgiServer) -> None:
     server.stop()
     # one process ends by the signal it was sent (143, as a shell says); a supervisor of several, 0
     assert server.process.returncode in (0, 128 + signal.SIGTERM), server.log_tail()
-    left = sorted(p.name for p in server.temporary_folder.iterdir() if not p.name.startswith("torchinductor_"))
+    left = sorted(p.name for p in server.temporary_folder.iterdir()
+                  if not p.name.startswith("torchinductor_"))
     assert left == [], left
 
 
