@@ -30,6 +30,7 @@ from handlers.asgi.registry import ModelRegistry, freeze_loaded
 from handlers.asgi.routes import ROUTES
 from handlers.asgi.settings import EngineSettings
 
+
 def create_app(settings: EngineSettings, loaded: Callable[[], None] = lambda: None) -> KeyCheck:
     """The engine's app; ``loaded`` is called once its models are loaded, before it serves."""
     keys = KeyFile(settings.key_file)

@@ -3,7 +3,7 @@
 grpc.aio server on the process's event loop, started once its models are loaded and stopped before
 they are (``app.py``). Every process listens on the same port: gRPC sets SO_REUSEPORT on Linux, so
 the kernel spreads connections over the processes (a connection, with all its calls, stays with
-one). ``check_port_free`` runs before the processes start: a second server on that port would
+one). ``settings.check_port_free`` runs before the processes start: a second server on that port would
 otherwise share it silently.
 
 ``ModelInfer`` is the REST route's request (``wire.v2_grpc``) handed to the model's batcher:

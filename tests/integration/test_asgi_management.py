@@ -124,7 +124,6 @@ def test_both_processes_listen_on_the_grpc_port_and_take_its_connections(setup, 
             grpc_client.close()
 
 
-
 def test_a_stopped_server_leaves_nothing_behind(server):
     """Runs last of the server's tests (it stops it). Two processes under uvicorn's supervisor."""
     stop_leaving_nothing(server)
