@@ -35,8 +35,9 @@ CRITEO_SPEC = MODELS / "criteo.yaml"
 RANKER_SPEC = MODELS / "ranker.yaml"
 
 # ``make test`` runs the files in two processes (pytest -n 2 --dist loadfile), each taking the next
-# file as it finishes one: the slowest go first, so that both finish at about the same time, and
-# those that compile AOTInductor packages before the benchmark smoke runs, whose loads are paced
+# file as it finishes one: the slowest go first (every file of 5 s and more), so that both finish at
+# about the same time, with the files of unit tests (a second or two each) last to even out the end;
+# and those that compile AOTInductor packages before the benchmark smoke runs, whose loads are paced
 # by the capacity they measured at their start.
 SLOWEST_FIRST = (
     "tests/archive_tools/test_export.py",
@@ -54,8 +55,24 @@ SLOWEST_FIRST = (
     "tests/bench/test_raw_ids_scenario.py",
     "tests/integration/test_asgi_management.py",
     "tests/integration/test_serving.py",
-    "tests/integration/test_asgi_engine.py",
+    "tests/integration/test_plugin.py",
+    "tests/integration/test_torchserve.py",
+    "tests/integration/test_protocols.py",
+    "tests/archive_tools/test_planning.py",
+    "tests/integration/test_tensor_client.py",
+    "tests/integration/test_local_server.py",
+    "tests/test_torch_contracts.py",
     "tests/integration/test_asgi_metrics.py",
+    "tests/test_packaging.py",
+    "tests/bench/test_load.py",
+    "tests/archive_tools/test_cli.py",
+    "tests/integration/test_context_ranker.py",
+    "tests/integration/test_idle_metrics.py",
+    "tests/integration/test_asgi_engine.py",
+    "tests/integration/test_open_inference.py",
+    "tests/handlers/runtime/test_shared_tables.py",
+    "tests/integration/test_asgi_grpc.py",
+    "tests/handlers/runtime/test_split.py",
 )
 
 
