@@ -117,9 +117,11 @@ def test_exported_compiled_and_split_archives_answer_like_eager(server, referenc
 
 
 def test_an_eager_worker_runs_torchrec_modules(server):
-    """The control for the graph workers above: the describe call does see TorchRec imported."""
+    """The control for the graph workers above: the describe call does see TorchRec imported. The
+    worker's garbage collector, paused for its start, is on again."""
     worker = _describe_worker(server, "tiny")
     assert worker["imports_torchrec"] and worker["runs"] == "eager (weights.pt)", worker
+    assert worker["collector"] == {"enabled": True}, worker
 
 
 def _describe_worker(server: LocalTorchServe, name: str) -> dict:
