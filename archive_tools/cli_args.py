@@ -1,12 +1,17 @@
 """The command line's options, by command: what ``archive_tools.cli`` parses, with every
-default shown in ``--help``. The options whose defaults are the build's own (the serving config,
-the verification bounds, the artifact kinds) import torch to read them: this module imports them
-where those options are added, so that ``serve`` and ``bench`` start without torch."""
+default shown in ``--help`` (``add_command``), and the typed objects read from them (``bounds``).
+The options whose defaults are the build's own (the serving config, the verification bounds, the
+artifact kinds) import torch to read them: this module imports them where those options are added,
+so that ``serve`` and ``bench`` start without torch."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from archive_tools.verification import Bounds
 
 # ``--artifact distributed`` builds a layout's archives (archive_tools.distributed).
 DISTRIBUTED = "distributed"
@@ -276,3 +281,41 @@ def bench_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--data", type=Path, nargs="+",
                         help="plan: the click log to plan on (Criteo TSV/CSV files, merged; or libfm files)")
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """An option's default after its help, where it has one and the help does not state it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_command(
+    commands: argparse._SubParsersAction,
+    chosen: str | None,
+    name: str,
+    run: Callable[[argparse.Namespace], int],
+    help_text: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None,
+) -> None:
+    """The command ``name``, which runs ``run``; its options only if it is the ``chosen`` one."""
+    parser = commands.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsHelp)
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    if add_arguments is not None and name == chosen:
+        add_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def bounds(args: argparse.Namespace) -> Bounds:
+    """The verification bounds of a command that verifies (build, verify)."""
+    from archive_tools.verification import Bounds
+
+    return Bounds(
+        max_abs_score_diff=args.max_score_diff,
+        max_rel_score_diff=args.max_rel_score_diff,
+        max_auc_drop=args.max_auc_drop,
+        max_ne_increase=args.max_ne_increase,
+        expected_auc=args.expect_auc,
+    )

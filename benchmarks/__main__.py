@@ -7,9 +7,12 @@ latency_vs_throughput.png, memory_by_table.png and summary.txt to DIR
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()  # for the scenarios' imports (torch, TorchRec, the pipeline): archive_tools.cli says why
+
 import argparse
 import atexit
-import gc
 import sys
 from pathlib import Path
 
@@ -24,6 +27,8 @@ from benchmarks.scenarios import REPO, SCENARIOS
 from benchmarks.sequence import SEQUENCE_SCENARIOS, run_sequence
 from benchmarks.speed import SPEED_SCENARIOS, run_speed
 
+gc.freeze()  # what the imports made lives as long as the process
+gc.enable()
 atexit.register(gc.freeze)  # skipped by the exit's collections (archive_tools.cli says why)
 
 
