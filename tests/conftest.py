@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import gc
+
+# Collection imports torch, TorchRec and every test module: with the collector paused, the full
+# collections their new objects trigger do not walk torch's again and again (a process's
+# collection: 9.7 CPU-seconds, 6.6 paused). Resumed once collected (pytest_collection_finish), or
+# at the session's start in xdist's controller, which collects nothing.
+gc.disable()
+
 import os
 import shutil
 import tempfile
@@ -76,11 +83,17 @@ SLOWEST_FIRST = (
 )
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if session.config.pluginmanager.has_plugin("dsession"):  # xdist's controller
+        gc.enable()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     # What the test modules imported (torch, TorchRec: half a million objects) lives as long as
     # the process: frozen, it is left out of every full collection the tests' garbage triggers
     # (each walk 0.2 s) and of the interpreter's last ones at exit.
     gc.freeze()
+    gc.enable()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
