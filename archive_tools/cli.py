@@ -72,13 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Parsing imports what the chosen command's options default to (torch and the build pipeline,
     # for most): with the collector paused, the full collections that their new objects trigger do
-    # not walk torch's again and again (a build's imports: 3.1 CPU-seconds, 2.6 paused). What they
-    # made lives as long as the process: frozen out of later walks.
+    # not walk torch's again and again (`torchrec-serve build --help`: 3.3 CPU-seconds, 2.8 paused).
     gc.disable()
     try:
         args = _parser(_chosen_command(argv)).parse_args(argv)
     finally:
-        gc.freeze()
         gc.enable()
     try:
         return args.run(args)

@@ -1,6 +1,7 @@
 """The commands: inconsistent split options refused before building anything, an unzipped
 archive replaced whole, failures as one line with a code per kind."""
 
+import gc
 import importlib
 import json
 import subprocess
@@ -267,3 +268,10 @@ def test_a_layout_file_that_is_not_yaml_is_named(tmp_path):
     (tmp_path / "layout.yaml").write_text("shards: {a: [unclosed\n")
     with pytest.raises(InputError, match=r"layout.yaml: not valid YAML"):
         LayoutFile.read(tmp_path / "layout.yaml")
+
+
+def test_the_collector_paused_for_parsing_is_on_again_whether_the_command_line_parses_or_not(capsys):
+    with pytest.raises(SystemExit):
+        main(["build", "--spec", "tiny", "--no-such-option"])
+    assert gc.isenabled()
+    assert "--no-such-option" in capsys.readouterr().err
