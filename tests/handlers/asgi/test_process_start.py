@@ -2,6 +2,7 @@
 paused, and has it on again once its models are loaded, the app's ``loaded`` call (a process of its
 own; the app stands in for the engine's, whose loads the integration tests run)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,6 @@ def test_the_collector_is_paused_while_the_app_is_built_and_on_once_loaded(tmp_p
     settings = EngineSettings((tmp_path / "tiny",), tmp_path / "keys.json")
     done = subprocess.run(
         [sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=60, check=True,
-        env={"PATH": "/usr/bin:/bin", ENGINE_ENV: settings.to_env()}, cwd=Path(__file__).resolve().parents[3],
+        env={**os.environ, ENGINE_ENV: settings.to_env()}, cwd=Path(__file__).resolve().parents[3],
     )
     assert done.stdout.split("\n")[0] == "the app False True True", done.stderr
