@@ -15,7 +15,8 @@
   file) and a hex id its integer (the spec's ``out_of_range`` policy then applies). Items go into
   requests of 64.
 
-A line that cannot be read is a ``ValidationDataError`` naming the file, the line and the field.
+A line that cannot be read is a ``ValidationDataError`` naming the file, the line and the field;
+so is a labelled file whose labels all agree.
 """
 
 from __future__ import annotations
@@ -49,9 +50,12 @@ class ValidationData:
 
 def read_validation(path: Path, spec: ModelSpec) -> ValidationData:
     path = Path(path)
-    if path.suffix in TSV_SUFFIXES:
-        return _read_criteo_tsv(path, spec)
-    return _read_jsonl(path)
+    data = _read_criteo_tsv(path, spec) if path.suffix in TSV_SUFFIXES else _read_jsonl(path)
+    if data.labels is not None:
+        seen = {label for request in data.labels for label in request}
+        if len(seen) == 1:  # AUC is undefined, NE divides by nothing: no bound could be checked
+            raise ValidationDataError(f"{path}: every label is {seen.pop()}: AUC and NE need clicks and non-clicks")
+    return data
 
 
 def _read_jsonl(path: Path) -> ValidationData:

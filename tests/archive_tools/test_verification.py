@@ -143,6 +143,7 @@ def test_validation_records_in_the_shapes_users_have(tmp_path, tiny_spec):
         ([{"dense": [0] * 4, "label": 2}], ":1: label: labels must be 0 or 1, got [2]"),
         ([{"dense": [0] * 4, "label": 1}, {"dense": [0] * 4}], ":2: has no label, while other lines do"),
         ([{"dense": [0] * 4, "label": 1, "labels": [1]}], ":1: label: give 'label' or 'labels'"),
+        ([{"dense": [0] * 4, "label": 0}, {"dense": [1] * 4, "label": 0}], ": every label is 0: AUC and NE need"),
     ],
 )
 def test_a_bad_validation_line_is_named(tmp_path, tiny_spec, rows, message):
