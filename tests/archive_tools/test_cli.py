@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from archive_tools import cli_args
 from archive_tools.cli import EXIT_CODES, main
 from handlers.modeling.registry import load_spec
 from handlers.modeling.spec import Pooling, ShardingSpec, ShardingType, WeightDtype
@@ -270,8 +271,11 @@ def test_a_layout_file_that_is_not_yaml_is_named(tmp_path):
         LayoutFile.read(tmp_path / "layout.yaml")
 
 
-def test_the_collector_paused_for_parsing_is_on_again_whether_the_command_line_parses_or_not(capsys):
+def test_the_collector_paused_for_parsing_is_on_again_whether_the_command_line_parses_or_not(capsys, monkeypatch):
+    collecting = []  # while the build's options are added (their defaults import the pipeline)
+    add_options = cli_args.build_args
+    monkeypatch.setattr(cli_args, "build_args", lambda parser: (collecting.append(gc.isenabled()), add_options(parser)))
     with pytest.raises(SystemExit):
         main(["build", "--spec", "tiny", "--no-such-option"])
-    assert gc.isenabled()
+    assert collecting == [False] and gc.isenabled()
     assert "--no-such-option" in capsys.readouterr().err
